@@ -1,0 +1,210 @@
+// Package pgcluster starts a throwaway PostgreSQL cluster from the PostgreSQL
+// binaries installed on the machine (initdb and pg_ctl), listening only on a
+// Unix socket in a fresh temporary directory, and removes it on Stop.
+//
+// The test harness and the examples use it when no database URL is given and
+// no Docker engine answers, so that a machine with PostgreSQL installed but not
+// running can still run everything.
+package pgcluster
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"os/user"
+	"path/filepath"
+	"sort"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+)
+
+// ErrNoBinaries reports that initdb and pg_ctl could not be found.
+var ErrNoBinaries = errors.New("pgcluster: PostgreSQL server binaries (initdb, pg_ctl) not found; install PostgreSQL or set PG_BINDIR")
+
+// Options tunes the cluster. The zero value is a cluster fit for tests.
+type Options struct {
+	// Durable keeps fsync on. Default false: a throwaway cluster trades
+	// crash safety of the host for speed.
+	Durable bool
+	// Settings are extra server settings (name -> value), passed as -c flags.
+	Settings map[string]string
+}
+
+// Cluster is a running throwaway cluster.
+type Cluster struct {
+	dir     string
+	dataDir string
+	sockDir string
+	bindir  string
+	cred    *syscall.Credential
+}
+
+// Start creates and starts a cluster. Call Stop to shut it down and delete it.
+func Start(ctx context.Context, opts Options) (*Cluster, error) {
+	bindir, err := findBinDir()
+	if err != nil {
+		return nil, err
+	}
+	// Short path: Unix socket paths are limited to about 100 bytes.
+	dir, err := os.MkdirTemp("", "apg")
+	if err != nil {
+		return nil, fmt.Errorf("pgcluster: temp dir: %w", err)
+	}
+	c := &Cluster{dir: dir, dataDir: filepath.Join(dir, "data"), sockDir: dir, bindir: bindir}
+	if os.Geteuid() == 0 {
+		// initdb and postgres refuse to run as root: run them as an
+		// unprivileged user that owns the directory.
+		cred, err := unprivilegedCredential()
+		if err != nil {
+			_ = os.RemoveAll(dir)
+			return nil, err
+		}
+		c.cred = cred
+		if err := os.Chown(dir, int(cred.Uid), int(cred.Gid)); err != nil {
+			_ = os.RemoveAll(dir)
+			return nil, fmt.Errorf("pgcluster: chown: %w", err)
+		}
+	}
+	if err := c.run(ctx, "initdb", "-D", c.dataDir, "-U", "postgres", "-A", "trust",
+		"-E", "UTF8", "--no-locale", "--no-sync"); err != nil {
+		_ = os.RemoveAll(dir)
+		return nil, err
+	}
+	settings := map[string]string{
+		"listen_addresses":          "''",
+		"unix_socket_directories":   "'" + c.sockDir + "'",
+		"max_connections":           "200",
+		"shared_buffers":            "128MB",
+		"max_locks_per_transaction": "256",
+	}
+	if !opts.Durable {
+		settings["fsync"] = "off"
+		settings["synchronous_commit"] = "off"
+		settings["full_page_writes"] = "off"
+	}
+	for k, v := range opts.Settings {
+		settings[k] = v
+	}
+	names := make([]string, 0, len(settings))
+	for k := range settings {
+		names = append(names, k)
+	}
+	sort.Strings(names)
+	var o strings.Builder
+	for _, k := range names {
+		fmt.Fprintf(&o, " -c %s=%s", k, settings[k])
+	}
+	if err := c.run(ctx, "pg_ctl", "-D", c.dataDir, "-l", filepath.Join(dir, "server.log"),
+		"-w", "-t", "60", "-o", o.String(), "start"); err != nil {
+		logTail, _ := os.ReadFile(filepath.Join(dir, "server.log"))
+		_ = os.RemoveAll(dir)
+		return nil, fmt.Errorf("%w\nserver log:\n%s", err, logTail)
+	}
+	return c, nil
+}
+
+// ConnString returns a connection string for database name on this cluster.
+func (c *Cluster) ConnString(database string) string {
+	return fmt.Sprintf("host=%s port=5432 user=postgres dbname=%s sslmode=disable", c.sockDir, database)
+}
+
+// DataDir returns the cluster's data directory.
+func (c *Cluster) DataDir() string { return c.dataDir }
+
+// Restart stops the server with the given shutdown mode ("smart", "fast" or
+// "immediate") and starts it again on the same data directory.
+func (c *Cluster) Restart(ctx context.Context, mode string) error {
+	if err := c.run(ctx, "pg_ctl", "-D", c.dataDir, "-m", mode, "-w", "stop"); err != nil {
+		return err
+	}
+	return c.run(ctx, "pg_ctl", "-D", c.dataDir, "-l", filepath.Join(c.dir, "server.log"), "-w", "-t", "60", "start")
+}
+
+// Stop shuts the server down immediately and deletes its directory.
+func (c *Cluster) Stop() error {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	err := c.run(ctx, "pg_ctl", "-D", c.dataDir, "-m", "immediate", "-w", "stop")
+	if rmErr := os.RemoveAll(c.dir); err == nil {
+		err = rmErr
+	}
+	return err
+}
+
+func (c *Cluster) run(ctx context.Context, name string, args ...string) error {
+	cmd := exec.CommandContext(ctx, filepath.Join(c.bindir, name), args...)
+	var out bytes.Buffer
+	cmd.Stdout = &out
+	cmd.Stderr = &out
+	cmd.Dir = c.dir
+	// The server outlives this command; keep it out of our process group so
+	// a terminal's Ctrl-C reaches us first and we stop it cleanly.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Credential: c.cred}
+	if err := cmd.Run(); err != nil {
+		return fmt.Errorf("pgcluster: %s: %w: %s", name, err, strings.TrimSpace(out.String()))
+	}
+	return nil
+}
+
+func unprivilegedCredential() (*syscall.Credential, error) {
+	for _, name := range []string{"postgres", "nobody"} {
+		u, err := user.Lookup(name)
+		if err != nil {
+			continue
+		}
+		uid, err1 := strconv.ParseUint(u.Uid, 10, 32)
+		gid, err2 := strconv.ParseUint(u.Gid, 10, 32)
+		if err1 != nil || err2 != nil || uid == 0 {
+			continue
+		}
+		return &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid)}, nil
+	}
+	return nil, errors.New("pgcluster: running as root and no unprivileged user (postgres, nobody) to run PostgreSQL as")
+}
+
+func findBinDir() (string, error) {
+	has := func(dir string) bool {
+		for _, b := range []string{"initdb", "pg_ctl", "postgres"} {
+			if fi, err := os.Stat(filepath.Join(dir, b)); err != nil || fi.IsDir() {
+				return false
+			}
+		}
+		return true
+	}
+	if dir := os.Getenv("PG_BINDIR"); dir != "" {
+		if has(dir) {
+			return dir, nil
+		}
+		return "", fmt.Errorf("%w (PG_BINDIR=%s lacks them)", ErrNoBinaries, dir)
+	}
+	if out, err := exec.Command("pg_config", "--bindir").Output(); err == nil {
+		if dir := strings.TrimSpace(string(out)); has(dir) {
+			return dir, nil
+		}
+	}
+	// Debian and Ubuntu keep server binaries out of PATH, one folder per version.
+	candidates, _ := filepath.Glob("/usr/lib/postgresql/*/bin")
+	sort.Slice(candidates, func(i, j int) bool { return versionOf(candidates[i]) > versionOf(candidates[j]) })
+	candidates = append(candidates, "/usr/local/pgsql/bin", "/opt/homebrew/bin", "/usr/local/bin", "/usr/bin")
+	if p, err := exec.LookPath("initdb"); err == nil {
+		if real, err := filepath.EvalSymlinks(p); err == nil {
+			candidates = append([]string{filepath.Dir(real)}, candidates...)
+		}
+	}
+	for _, dir := range candidates {
+		if has(dir) {
+			return dir, nil
+		}
+	}
+	return "", ErrNoBinaries
+}
+
+func versionOf(bindir string) int {
+	v, _ := strconv.Atoi(filepath.Base(filepath.Dir(bindir)))
+	return v
+}

@@ -1,0 +1,75 @@
+// Package pgerr interprets PostgreSQL and driver errors by SQLSTATE code, in
+// one place, so that no package matches on error strings.
+package pgerr
+
+import (
+	"context"
+	"errors"
+	"net"
+
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// SQLSTATE codes atomicphase reacts to.
+const (
+	SerializationFailure = "40001"
+	DeadlockDetected     = "40P01"
+	UniqueViolation      = "23505"
+	LockNotAvailable     = "55P03"
+	QueryCanceled        = "57014"
+	AdminShutdown        = "57P01"
+	CrashShutdown        = "57P02"
+	CannotConnectNow     = "57P03"
+	UndefinedTable       = "42P01"
+)
+
+// Code returns the SQLSTATE of err, or "" when err carries none.
+func Code(err error) string {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		return pgErr.Code
+	}
+	return ""
+}
+
+// IsRetryable reports whether the transaction that failed with err can be
+// retried as it is: a serialization failure or a detected deadlock.
+func IsRetryable(err error) bool {
+	switch Code(err) {
+	case SerializationFailure, DeadlockDetected:
+		return true
+	}
+	return false
+}
+
+// IsUniqueViolation reports a unique-constraint violation.
+func IsUniqueViolation(err error) bool { return Code(err) == UniqueViolation }
+
+// IsLockNotAvailable reports a lock that could not be taken without waiting
+// (NOWAIT or lock_timeout).
+func IsLockNotAvailable(err error) bool { return Code(err) == LockNotAvailable }
+
+// IsUndefinedTable reports a missing table, as when migrations were not run.
+func IsUndefinedTable(err error) bool { return Code(err) == UndefinedTable }
+
+// IsConnection reports an error of the connection rather than of a statement:
+// the server went away, the network failed, or the server is shutting down.
+// Whether a COMMIT sent just before such an error took effect is unknown.
+func IsConnection(err error) bool {
+	if err == nil || errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
+		return false
+	}
+	switch Code(err) {
+	case AdminShutdown, CrashShutdown, CannotConnectNow:
+		return true
+	}
+	var netErr net.Error
+	if errors.As(err, &netErr) {
+		return true
+	}
+	var connErr *pgconn.ConnectError
+	if errors.As(err, &connErr) {
+		return true
+	}
+	return pgconn.SafeToRetry(err) || pgconn.Timeout(err)
+}

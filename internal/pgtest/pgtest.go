@@ -1,0 +1,232 @@
+// Package pgtest gives each test an isolated PostgreSQL schema, migrated with
+// the real goose migrations, on a real server.
+//
+// The server is found once per test binary, in this order:
+//  1. TEST_DATABASE_URL, when set;
+//  2. a PostgreSQL container started with testcontainers-go, when a Docker
+//     engine answers;
+//  3. a throwaway local cluster started from the installed PostgreSQL
+//     binaries (initdb and pg_ctl), when they are found;
+//  4. otherwise the test fails with a message naming the three options.
+//
+// Nothing is skipped: a test that needs a database and cannot get one fails.
+package pgtest
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"fmt"
+	"os"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/testcontainers/testcontainers-go"
+	tcpostgres "github.com/testcontainers/testcontainers-go/modules/postgres"
+	"go.uber.org/goleak"
+
+	"github.com/atomicphase/atomicphase/internal/pgcluster"
+	"github.com/atomicphase/atomicphase/migrations"
+)
+
+// EnvURL names the environment variable holding the test server's URL.
+const EnvURL = "TEST_DATABASE_URL"
+
+var (
+	serverOnce sync.Once
+	serverURL  string
+	serverErr  error
+	teardown   func()
+)
+
+// Main runs a package's tests, then stops any server this binary started and
+// fails the run if goroutines leaked. Call it from TestMain:
+//
+//	func TestMain(m *testing.M) { pgtest.Main(m) }
+func Main(m *testing.M, ignore ...goleak.Option) {
+	code := m.Run()
+	if teardown != nil {
+		teardown()
+	}
+	if code == 0 {
+		opts := append([]goleak.Option{
+			// Started by database/sql's connector inside goose; it ends with the process.
+			goleak.IgnoreTopFunction("database/sql.(*DB).connectionOpener"),
+		}, ignore...)
+		if err := goleak.Find(opts...); err != nil {
+			fmt.Fprintf(os.Stderr, "goleak: %v\n", err)
+			code = 1
+		}
+	}
+	os.Exit(code)
+}
+
+// ServerURL returns the connection string of the shared test server,
+// starting one if needed (see the package documentation).
+func ServerURL(tb testing.TB) string {
+	tb.Helper()
+	serverOnce.Do(func() { serverURL, teardown, serverErr = findServer() })
+	if serverErr != nil {
+		tb.Fatalf("pgtest: no PostgreSQL for tests: %v", serverErr)
+	}
+	return serverURL
+}
+
+func findServer() (string, func(), error) {
+	if url := os.Getenv(EnvURL); url != "" {
+		return url, nil, nil
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	var reasons []string
+	if dockerAnswers(ctx) {
+		url, stop, err := startContainer(ctx)
+		if err == nil {
+			return url, stop, nil
+		}
+		reasons = append(reasons, "testcontainers: "+err.Error())
+	} else {
+		reasons = append(reasons, "no Docker engine answers")
+	}
+	cluster, err := pgcluster.Start(ctx, pgcluster.Options{})
+	if err == nil {
+		return cluster.ConnString("postgres"), func() { _ = cluster.Stop() }, nil
+	}
+	reasons = append(reasons, err.Error())
+	return "", nil, fmt.Errorf("set %s to a PostgreSQL URL, start a Docker engine, or install PostgreSQL's server binaries (%s)",
+		EnvURL, strings.Join(reasons, "; "))
+}
+
+func dockerAnswers(ctx context.Context) bool {
+	if os.Getenv("DOCKER_HOST") == "" {
+		if _, err := os.Stat("/var/run/docker.sock"); err != nil {
+			return false
+		}
+	}
+	p, err := testcontainers.NewDockerProvider()
+	if err != nil {
+		return false
+	}
+	defer p.Close()
+	hctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	return p.Health(hctx) == nil
+}
+
+func startContainer(ctx context.Context) (string, func(), error) {
+	c, err := tcpostgres.Run(ctx, "postgres:15-alpine",
+		tcpostgres.WithDatabase("test"),
+		tcpostgres.WithUsername("postgres"),
+		tcpostgres.WithPassword("postgres"),
+		tcpostgres.BasicWaitStrategies(),
+	)
+	if err != nil {
+		return "", nil, err
+	}
+	url, err := c.ConnectionString(ctx, "sslmode=disable")
+	if err != nil {
+		_ = c.Terminate(context.Background())
+		return "", nil, err
+	}
+	return url, func() { _ = c.Terminate(context.Background()) }, nil
+}
+
+// DB is one test's isolated schema on the shared server.
+type DB struct {
+	// Pool is connected with search_path set to Schema only.
+	Pool *pgxpool.Pool
+	// Schema is the test's schema, dropped when the test ends.
+	Schema string
+	// URL is the server's connection string (without the search_path).
+	URL string
+}
+
+// New creates a schema for the test, applies the migrations in it, and
+// returns a pool whose connections use it. Everything is removed at cleanup.
+func New(tb testing.TB) *DB {
+	tb.Helper()
+	url := ServerURL(tb)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+
+	schema := "apt_" + randomHex(6)
+	admin, err := pgx.Connect(ctx, url)
+	if err != nil {
+		tb.Fatalf("pgtest: connect: %v", err)
+	}
+	defer admin.Close(context.Background())
+	if _, err := admin.Exec(ctx, "CREATE SCHEMA "+schema); err != nil {
+		tb.Fatalf("pgtest: create schema: %v", err)
+	}
+	tb.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		conn, err := pgx.Connect(ctx, url)
+		if err != nil {
+			tb.Errorf("pgtest: drop schema: %v", err)
+			return
+		}
+		defer conn.Close(context.Background())
+		if _, err := conn.Exec(ctx, "DROP SCHEMA "+schema+" CASCADE"); err != nil {
+			tb.Errorf("pgtest: drop schema: %v", err)
+		}
+	})
+
+	d := &DB{Schema: schema, URL: url}
+	d.Pool = d.NewPool(tb, nil)
+	if err := migrations.Up(ctx, d.Pool); err != nil {
+		tb.Fatalf("pgtest: migrate: %v", err)
+	}
+	return d
+}
+
+// Pool is shorthand for New(tb).Pool.
+func Pool(tb testing.TB) *pgxpool.Pool {
+	tb.Helper()
+	return New(tb).Pool
+}
+
+// NewPool opens another pool on the test's schema, after letting configure
+// adjust its configuration (for example to connect through a proxy). The
+// pool is closed at cleanup.
+func (d *DB) NewPool(tb testing.TB, configure func(*pgxpool.Config)) *pgxpool.Pool {
+	tb.Helper()
+	cfg, err := pgxpool.ParseConfig(d.URL)
+	if err != nil {
+		tb.Fatalf("pgtest: parse url: %v", err)
+	}
+	cfg.ConnConfig.RuntimeParams["search_path"] = d.Schema
+	cfg.MaxConns = 20
+	if configure != nil {
+		configure(cfg)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		tb.Fatalf("pgtest: pool: %v", err)
+	}
+	tb.Cleanup(pool.Close)
+	return pool
+}
+
+// Count runs a "SELECT count(*) ..." style query on the test's schema and
+// returns the number, failing the test on error.
+func (d *DB) Count(tb testing.TB, query string, args ...any) int {
+	tb.Helper()
+	var n int
+	if err := d.Pool.QueryRow(context.Background(), query, args...).Scan(&n); err != nil {
+		tb.Fatalf("pgtest: count %q: %v", query, err)
+	}
+	return n
+}
+
+func randomHex(n int) string {
+	b := make([]byte, n)
+	_, _ = rand.Read(b) // never fails: crypto/rand aborts the process instead
+	return hex.EncodeToString(b)
+}

@@ -1,0 +1,113 @@
+// Package migrations holds atomicphase's schema as goose SQL migrations.
+//
+// The files are the schema's single source: sqlc reads them to generate the
+// query code, tests apply them to every test schema, and deploys apply them
+// with the goose CLI or with [Up]. They record their version in their own
+// table, [TableName], so they never clash with the host application's goose
+// migrations in the same database.
+package migrations
+
+import (
+	"context"
+	"embed"
+	"errors"
+	"fmt"
+	"io/fs"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/pgx/v5/stdlib"
+	"github.com/pressly/goose/v3"
+	"github.com/pressly/goose/v3/lock"
+)
+
+// FS holds the migration files, for goose or any other runner.
+//
+//go:embed *.sql
+var FS embed.FS
+
+// TableName is the goose version table these migrations record themselves in.
+// Pass it to the goose CLI with -table.
+const TableName = "atomicphase_goose_db_version"
+
+// lockID is the session advisory lock taken while migrating, so that several
+// processes starting at once apply each migration once. It differs from
+// goose's default lock so the host application's migrations do not wait on ours.
+const lockID int64 = 0x61746f6d69637068 // "atomicph"
+
+// ErrSchemaBehind reports that the database lacks migrations this build needs.
+var ErrSchemaBehind = errors.New("migrations: database schema is behind")
+
+// Up applies every pending migration, holding an advisory lock so concurrent
+// callers do not race. It is safe to call at every process start.
+func Up(ctx context.Context, pool *pgxpool.Pool) error {
+	p, closeFn, err := newProvider(pool)
+	if err != nil {
+		return err
+	}
+	defer closeFn()
+	if _, err := p.Up(ctx); err != nil {
+		return fmt.Errorf("migrations: up: %w", err)
+	}
+	return nil
+}
+
+// DownTo rolls the schema back to version (0 removes every table).
+// Rolling back drops data: it is meant for development and tests.
+func DownTo(ctx context.Context, pool *pgxpool.Pool, version int64) error {
+	p, closeFn, err := newProvider(pool)
+	if err != nil {
+		return err
+	}
+	defer closeFn()
+	if _, err := p.DownTo(ctx, version); err != nil {
+		return fmt.Errorf("migrations: down to %d: %w", version, err)
+	}
+	return nil
+}
+
+// Check returns nil when the database has every migration this build embeds,
+// and an error wrapping [ErrSchemaBehind] naming the first missing one otherwise.
+func Check(ctx context.Context, pool *pgxpool.Pool) error {
+	p, closeFn, err := newProvider(pool)
+	if err != nil {
+		return err
+	}
+	defer closeFn()
+	statuses, err := p.Status(ctx)
+	if err != nil {
+		return fmt.Errorf("migrations: status: %w", err)
+	}
+	for _, s := range statuses {
+		if s.State == goose.StatePending {
+			return fmt.Errorf("%w: migration %s (version %d) is not applied; run goose -table %s up",
+				ErrSchemaBehind, s.Source.Path, s.Source.Version, TableName)
+		}
+	}
+	return nil
+}
+
+func newProvider(pool *pgxpool.Pool) (*goose.Provider, func(), error) {
+	if pool == nil {
+		return nil, nil, errors.New("migrations: pool is nil")
+	}
+	locker, err := lock.NewPostgresSessionLocker(lock.WithLockID(lockID))
+	if err != nil {
+		return nil, nil, fmt.Errorf("migrations: locker: %w", err)
+	}
+	sqlDB := stdlib.OpenDBFromPool(pool)
+	fsys, err := fs.Sub(FS, ".")
+	if err != nil {
+		_ = sqlDB.Close()
+		return nil, nil, err
+	}
+	p, err := goose.NewProvider(goose.DialectPostgres, sqlDB, fsys,
+		goose.WithTableName(TableName),
+		goose.WithSessionLocker(locker),
+		goose.WithDisableGlobalRegistry(true),
+	)
+	if err != nil {
+		_ = sqlDB.Close()
+		return nil, nil, fmt.Errorf("migrations: %w", err)
+	}
+	return p, func() { _ = sqlDB.Close() }, nil
+}

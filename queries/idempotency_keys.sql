@@ -1,0 +1,94 @@
+-- name: LookupKey :one
+-- The request path's read: everything needed to replay, reject or resume,
+-- except the stored params (the caller has its own). lease_live is judged by
+-- the database clock.
+SELECT id, fingerprint, workflow, recovery_point, phase_results, status,
+       (lease_token IS NOT NULL AND leased_until > now())::boolean AS lease_live,
+       coalesce(greatest(extract(epoch FROM leased_until - now()), 0), 0)::float8 AS lease_remaining_seconds,
+       attempts, response_status, response_headers, response_body
+FROM idempotency_keys
+WHERE scope = @scope AND key = @key;
+
+-- name: LookupKeyForResume :one
+-- Like LookupKey, with the stored request, for resuming without the client.
+SELECT id, fingerprint, request_method, request_path, request_params, workflow,
+       recovery_point, phase_results, status,
+       (lease_token IS NOT NULL AND leased_until > now())::boolean AS lease_live,
+       coalesce(greatest(extract(epoch FROM leased_until - now()), 0), 0)::float8 AS lease_remaining_seconds,
+       attempts, response_status, response_headers, response_body
+FROM idempotency_keys
+WHERE scope = @scope AND key = @key;
+
+-- name: InsertKey :one
+-- Creates a key row, taking a transaction-scoped advisory lock on (scope, key)
+-- first so that a concurrent attempt whose insert is still uncommitted makes
+-- this return no row at once instead of waiting on the unique index.
+INSERT INTO idempotency_keys (
+    scope, key, fingerprint, request_method, request_path, request_params,
+    workflow, recovery_point, phase_results, status, lease_token, leased_until,
+    attempts, created_at, last_run_at
+)
+SELECT @scope, @key, @fingerprint, @request_method, @request_path, @request_params,
+       @workflow, 'started', '{}'::jsonb, 'running', sqlc.narg(lease_token)::uuid,
+       CASE WHEN sqlc.narg(lease_token)::uuid IS NULL THEN NULL
+            ELSE now() + make_interval(secs => @lease_seconds::float8) END,
+       1, now(), now()
+WHERE pg_try_advisory_xact_lock(
+    hashtextextended(length(@scope::text)::text || ':' || @scope::text || @key::text, 7340033))
+ON CONFLICT (scope, key) DO NOTHING
+RETURNING id;
+
+-- name: TakeOverKey :one
+-- Takes the lease of a running key whose lease is free or expired, with a new
+-- token. Returns no row if another attempt holds a live lease or the key is
+-- terminal.
+UPDATE idempotency_keys
+SET lease_token = @lease_token,
+    leased_until = now() + make_interval(secs => @lease_seconds::float8),
+    attempts = attempts + 1,
+    last_run_at = now()
+WHERE id = @id
+  AND status = 'running'
+  AND (lease_token IS NULL OR leased_until <= now())
+RETURNING recovery_point, phase_results, attempts;
+
+-- name: CommitPhase :execrows
+-- Records a committed phase in the phase's own transaction, fenced by the
+-- lease token: zero rows means the lease was lost and the phase must roll back.
+UPDATE idempotency_keys
+SET recovery_point = @phase::text,
+    phase_results = phase_results || jsonb_build_object(@phase::text, @result::jsonb),
+    leased_until = now() + make_interval(secs => @lease_seconds::float8),
+    last_run_at = now()
+WHERE id = @id AND lease_token = @lease_token AND status = 'running';
+
+-- name: ExtendLease :execrows
+-- Extends a held lease (before a foreign call); zero rows means it was lost.
+UPDATE idempotency_keys
+SET leased_until = now() + make_interval(secs => @lease_seconds::float8),
+    last_run_at = now()
+WHERE id = @id AND lease_token = @lease_token AND status = 'running';
+
+-- name: FinishKey :execrows
+-- Stores the terminal response and releases the lease, fenced by the token
+-- (NULL for a single-phase run, whose row is not yet visible to anyone else).
+UPDATE idempotency_keys
+SET status = 'finished',
+    recovery_point = @recovery_point,
+    response_status = @response_status,
+    response_headers = @response_headers,
+    response_body = @response_body,
+    finished_at = now(),
+    last_run_at = now(),
+    lease_token = NULL,
+    leased_until = NULL
+WHERE id = @id
+  AND lease_token IS NOT DISTINCT FROM sqlc.narg(lease_token)::uuid
+  AND status = 'running';
+
+-- name: ReleaseKey :execrows
+-- Frees the lease after a transient error; the recovery point stays, so a
+-- retry or the resumer continues from it.
+UPDATE idempotency_keys
+SET lease_token = NULL, leased_until = NULL, last_run_at = now()
+WHERE id = @id AND lease_token = @lease_token AND status = 'running';

@@ -1,0 +1,21 @@
+// Package txn runs payment and order operations exactly once under
+// idempotency keys, on PostgreSQL.
+//
+// An operation is a sequence of atomic phases. Each phase commits its
+// business writes, any outbox messages and the key's new recovery point in
+// one SERIALIZABLE transaction. A retry with the same key replays the stored
+// response, or resumes after the last committed phase; nothing is done twice.
+//
+// Most endpoints need one phase: [Runner.Run] inserts the key, runs the
+// function and stores its response in a single transaction. Work that calls
+// a foreign system (a payment provider) is a registered [Workflow] of
+// [Atomic] and [Foreign] phases ending in [Attempt.Finish], run with
+// [Runner.RunWorkflow] and resumed after a crash by [Runner.Resume] (which
+// the recovery package calls for stalled keys).
+//
+// A running attempt holds the key's lease, a token with an expiry judged by
+// the database clock; every phase commit checks the token (fencing), so an
+// attempt that lost its lease to a retry or to recovery commits nothing and
+// gets [ErrLeaseLost]. Errors are sentinels in errors.go, matched with
+// errors.Is; [HTTPStatus] maps them to the status an API should answer.
+package txn

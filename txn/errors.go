@@ -1,0 +1,110 @@
+package txn
+
+import (
+	"errors"
+	"fmt"
+	"net/http"
+	"time"
+)
+
+// Sentinel errors returned by the Runner, matched with errors.Is.
+var (
+	// ErrInvalidKey: the idempotency key or scope is malformed (empty, longer
+	// than 255 bytes, or not printable ASCII). Nothing was written. HTTP 400.
+	ErrInvalidKey = errors.New("txn: invalid idempotency key")
+
+	// ErrInvalidRequest: the request's method, path or params are malformed
+	// (params not valid JSON, duplicate object keys, a \u0000 that PostgreSQL
+	// cannot store). Nothing was written. HTTP 400.
+	ErrInvalidRequest = errors.New("txn: invalid request")
+
+	// ErrRequestTooLarge: the params exceed Config.MaxParamsBytes. Nothing was
+	// written. HTTP 413.
+	ErrRequestTooLarge = errors.New("txn: request params too large")
+
+	// ErrKeyInUse: another attempt holds the key's live lease. Nothing ran.
+	// HTTP 409, with Retry-After from KeyStateError.RetryAfter.
+	ErrKeyInUse = errors.New("txn: idempotency key is in use by another attempt")
+
+	// ErrKeyReused: the key exists for a different request (fingerprint) or a
+	// different workflow. Nothing ran; the stored row is unchanged. HTTP 422.
+	ErrKeyReused = errors.New("txn: idempotency key reused for a different request")
+
+	// ErrLeaseLost: this attempt's lease expired and another attempt took the
+	// key over; the phase in progress committed nothing. HTTP 409.
+	ErrLeaseLost = errors.New("txn: lease lost to another attempt")
+
+	// ErrConflict: a phase kept failing with serialization failures or
+	// deadlocks after Config.MaxRetries retries. The key stays at its last
+	// recovery point and a later retry resumes it. HTTP 409.
+	ErrConflict = errors.New("txn: transaction conflict persisted after retries")
+
+	// ErrUnknownWorkflow: the workflow is not in the Runner's registry. HTTP 500.
+	ErrUnknownWorkflow = errors.New("txn: workflow not registered")
+
+	// ErrKeyNotFound: Resume found no key with that scope and value. HTTP 404.
+	ErrKeyNotFound = errors.New("txn: idempotency key not found")
+
+	// ErrInvalidUse: the library was called wrongly (nil function, empty or
+	// repeated phase name, a response whose status is not 100-599, a phase
+	// after Finish, an unmarshalable phase result). HTTP 500.
+	ErrInvalidUse = errors.New("txn: invalid use")
+
+	// ErrPanicked: user code panicked. The phase rolled back and the key was
+	// released, as for any transient error; the *PanicError carries the value.
+	// HTTP 500.
+	ErrPanicked = errors.New("txn: operation panicked")
+)
+
+// KeyStateError is returned for ErrKeyInUse and ErrKeyReused and tells the
+// caller what state the existing key is in. It unwraps to the sentinel.
+type KeyStateError struct {
+	// Err is ErrKeyInUse or ErrKeyReused.
+	Err error
+	// Status is the existing key's status: "running", "finished" or "failed".
+	Status string
+	// RecoveryPoint is the existing key's last committed phase.
+	RecoveryPoint string
+	// RetryAfter suggests when to try again (ErrKeyInUse): the time left on
+	// the holder's lease by the database clock, at least one second.
+	RetryAfter time.Duration
+}
+
+func (e *KeyStateError) Error() string {
+	return fmt.Sprintf("%v (existing key is %s at %q)", e.Err, e.Status, e.RecoveryPoint)
+}
+
+func (e *KeyStateError) Unwrap() error { return e.Err }
+
+// PanicError carries a panic recovered from user code. It unwraps to ErrPanicked.
+type PanicError struct {
+	// Value is what was passed to panic.
+	Value any
+	// Stack is the panicking goroutine's stack.
+	Stack []byte
+}
+
+func (e *PanicError) Error() string { return fmt.Sprintf("txn: operation panicked: %v", e.Value) }
+
+func (e *PanicError) Unwrap() error { return ErrPanicked }
+
+// HTTPStatus maps an error returned by the Runner to the HTTP status an API
+// should answer with; errors it does not know map to 500.
+func HTTPStatus(err error) int {
+	switch {
+	case err == nil:
+		return http.StatusOK
+	case errors.Is(err, ErrInvalidKey), errors.Is(err, ErrInvalidRequest):
+		return http.StatusBadRequest
+	case errors.Is(err, ErrRequestTooLarge):
+		return http.StatusRequestEntityTooLarge
+	case errors.Is(err, ErrKeyInUse), errors.Is(err, ErrLeaseLost), errors.Is(err, ErrConflict):
+		return http.StatusConflict
+	case errors.Is(err, ErrKeyReused):
+		return http.StatusUnprocessableEntity
+	case errors.Is(err, ErrKeyNotFound):
+		return http.StatusNotFound
+	default:
+		return http.StatusInternalServerError
+	}
+}

@@ -1,0 +1,234 @@
+package txn
+
+import (
+	"bytes"
+	"crypto/sha256"
+	"encoding/binary"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"sort"
+	"strings"
+	"unicode/utf8"
+)
+
+// MaxKeyLength is the longest idempotency key (and scope), in bytes.
+const MaxKeyLength = 255
+
+// Key names one operation: who asks (Scope), under which idempotency key
+// (Value), and what the request is (Method, Path, Params). Two calls with the
+// same Scope and Value are the same operation; their fingerprints must match.
+type Key struct {
+	// Scope is the owner of the key: account, user or tenant. Keys are only
+	// unique within a scope, so one client never sees another's response.
+	// May be empty; at most 255 bytes of valid UTF-8 without NUL.
+	Scope string
+	// Value is the client's idempotency key: 1 to 255 bytes of printable
+	// ASCII (0x20 to 0x7E).
+	Value string
+	// Method is the request's method (e.g. "POST"); part of the fingerprint.
+	Method string
+	// Path is the request's route (e.g. "/rides"); part of the fingerprint.
+	Path string
+	// Params is the request's body as JSON; nil or empty means JSON null.
+	// It is fingerprinted in canonical form (object keys sorted, insignificant
+	// whitespace removed), so a retry that reorders keys still matches, and
+	// it is stored so that recovery can resume the operation without the client.
+	Params []byte
+}
+
+// ValidateKey checks an idempotency key value: 1 to 255 bytes of printable
+// ASCII. It returns an error wrapping ErrInvalidKey.
+func ValidateKey(value string) error {
+	if value == "" {
+		return fmt.Errorf("%w: empty", ErrInvalidKey)
+	}
+	if len(value) > MaxKeyLength {
+		return fmt.Errorf("%w: %d bytes, at most %d allowed", ErrInvalidKey, len(value), MaxKeyLength)
+	}
+	for i := 0; i < len(value); i++ {
+		if c := value[i]; c < 0x20 || c > 0x7e {
+			return fmt.Errorf("%w: byte %d is 0x%02x, only printable ASCII is allowed", ErrInvalidKey, i, c)
+		}
+	}
+	return nil
+}
+
+// request is a validated Key with its canonical params and fingerprint.
+type request struct {
+	key         Key
+	params      []byte // canonical JSON
+	fingerprint []byte // sha256, 32 bytes
+}
+
+func prepare(k Key, maxParams int) (request, error) {
+	if err := ValidateKey(k.Value); err != nil {
+		return request{}, err
+	}
+	if len(k.Scope) > MaxKeyLength || !utf8.ValidString(k.Scope) || strings.IndexByte(k.Scope, 0) >= 0 {
+		return request{}, fmt.Errorf("%w: scope must be at most %d bytes of UTF-8 without NUL", ErrInvalidKey, MaxKeyLength)
+	}
+	for name, v := range map[string]string{"method": k.Method, "path": k.Path} {
+		if len(v) > 2048 || !utf8.ValidString(v) || strings.IndexByte(v, 0) >= 0 {
+			return request{}, fmt.Errorf("%w: %s must be at most 2048 bytes of UTF-8 without NUL", ErrInvalidRequest, name)
+		}
+	}
+	if len(k.Params) > maxParams {
+		return request{}, fmt.Errorf("%w: %d bytes, at most %d allowed", ErrRequestTooLarge, len(k.Params), maxParams)
+	}
+	params := k.Params
+	if len(bytes.TrimSpace(params)) == 0 {
+		params = []byte("null")
+	}
+	canon, err := canonicalJSON(params)
+	if err != nil {
+		return request{}, fmt.Errorf("%w: params: %w", ErrInvalidRequest, err)
+	}
+	return request{key: k, params: canon, fingerprint: fingerprint(k.Method, k.Path, canon)}, nil
+}
+
+// fingerprint hashes method, path and canonical params, each length-prefixed
+// so that no two different triples hash the same input.
+func fingerprint(method, path string, canonParams []byte) []byte {
+	h := sha256.New()
+	h.Write([]byte("atomicphase/fingerprint/v1\x00"))
+	for _, part := range [][]byte{[]byte(method), []byte(path), canonParams} {
+		var n [8]byte
+		binary.BigEndian.PutUint64(n[:], uint64(len(part)))
+		h.Write(n[:])
+		h.Write(part)
+	}
+	return h.Sum(nil)
+}
+
+const maxJSONDepth = 128
+
+var errNUL = errors.New(`contains \u0000, which PostgreSQL jsonb cannot store`)
+
+// canonicalJSON returns in with object keys sorted (by bytes), insignificant
+// whitespace removed and strings re-escaped uniformly. Numbers keep their
+// literal text: 1.0 and 1 differ, because rounding money through float64
+// would be worse. Duplicate object keys, invalid UTF-8, trailing data and
+// \u0000 are rejected.
+func canonicalJSON(in []byte) ([]byte, error) {
+	if !utf8.Valid(in) {
+		return nil, errors.New("not valid UTF-8")
+	}
+	dec := json.NewDecoder(bytes.NewReader(in))
+	dec.UseNumber()
+	var out bytes.Buffer
+	out.Grow(len(in))
+	if err := canonValue(dec, &out, 0); err != nil {
+		return nil, err
+	}
+	if _, err := dec.Token(); err != io.EOF {
+		return nil, errors.New("trailing data after the JSON value")
+	}
+	return out.Bytes(), nil
+}
+
+func canonValue(dec *json.Decoder, out *bytes.Buffer, depth int) error {
+	if depth > maxJSONDepth {
+		return fmt.Errorf("nested deeper than %d", maxJSONDepth)
+	}
+	tok, err := dec.Token()
+	if err != nil {
+		return fmt.Errorf("not valid JSON: %w", err)
+	}
+	switch t := tok.(type) {
+	case json.Delim:
+		switch t {
+		case '{':
+			return canonObject(dec, out, depth)
+		case '[':
+			out.WriteByte('[')
+			for i := 0; dec.More(); i++ {
+				if i > 0 {
+					out.WriteByte(',')
+				}
+				if err := canonValue(dec, out, depth+1); err != nil {
+					return err
+				}
+			}
+			if _, err := dec.Token(); err != nil {
+				return fmt.Errorf("not valid JSON: %w", err)
+			}
+			out.WriteByte(']')
+			return nil
+		default:
+			return fmt.Errorf("not valid JSON: unexpected %q", t)
+		}
+	case string:
+		return writeString(out, t)
+	case json.Number:
+		out.WriteString(string(t))
+	case bool:
+		if t {
+			out.WriteString("true")
+		} else {
+			out.WriteString("false")
+		}
+	case nil:
+		out.WriteString("null")
+	}
+	return nil
+}
+
+func canonObject(dec *json.Decoder, out *bytes.Buffer, depth int) error {
+	type member struct {
+		key   string
+		value []byte
+	}
+	var members []member
+	seen := make(map[string]struct{})
+	for dec.More() {
+		tok, err := dec.Token()
+		if err != nil {
+			return fmt.Errorf("not valid JSON: %w", err)
+		}
+		k, ok := tok.(string)
+		if !ok {
+			return errors.New("not valid JSON: object key is not a string")
+		}
+		if _, dup := seen[k]; dup {
+			return fmt.Errorf("duplicate object key %q", k)
+		}
+		seen[k] = struct{}{}
+		var v bytes.Buffer
+		if err := canonValue(dec, &v, depth+1); err != nil {
+			return err
+		}
+		members = append(members, member{k, v.Bytes()})
+	}
+	if _, err := dec.Token(); err != nil {
+		return fmt.Errorf("not valid JSON: %w", err)
+	}
+	sort.Slice(members, func(i, j int) bool { return members[i].key < members[j].key })
+	out.WriteByte('{')
+	for i, m := range members {
+		if i > 0 {
+			out.WriteByte(',')
+		}
+		if err := writeString(out, m.key); err != nil {
+			return err
+		}
+		out.WriteByte(':')
+		out.Write(m.value)
+	}
+	out.WriteByte('}')
+	return nil
+}
+
+func writeString(out *bytes.Buffer, s string) error {
+	if strings.IndexByte(s, 0) >= 0 {
+		return errNUL
+	}
+	enc := json.NewEncoder(out)
+	enc.SetEscapeHTML(false)
+	if err := enc.Encode(s); err != nil {
+		return err
+	}
+	out.Truncate(out.Len() - 1) // Encode appends a newline
+	return nil
+}
