@@ -394,7 +394,8 @@ func (r *Runner) acquire(ctx context.Context, req request, workflow string) (*At
 	row, err := r.q.LookupKey(ctx, db.LookupKeyParams{Scope: req.key.Scope, Key: req.key.Value})
 	if errors.Is(err, pgx.ErrNoRows) {
 		token := uuid.New()
-		id, err := r.q.InsertKey(ctx, db.InsertKeyParams{
+		var id int64
+		id, err = r.q.InsertKey(ctx, db.InsertKeyParams{
 			Scope: req.key.Scope, Key: req.key.Value, Fingerprint: req.fingerprint,
 			RequestMethod: req.key.Method, RequestPath: req.key.Path, RequestParams: req.params,
 			Workflow: workflow, LeaseToken: uuid.NullUUID{UUID: token, Valid: true},

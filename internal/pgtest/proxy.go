@@ -1,0 +1,168 @@
+package pgtest
+
+import (
+	"bytes"
+	"io"
+	"net"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// commitMessage is the simple-protocol Query message pgx sends to commit:
+// 'Q', length 11 (4 + "commit\0"), "commit\0".
+var commitMessage = []byte("Q\x00\x00\x00\x0bcommit\x00")
+
+// Proxy is a TCP proxy between a pool and the test server that can cut
+// connections at chosen moments, to test what callers see when the network
+// fails. It is a real socket proxy: the server sees real disconnects.
+type Proxy struct {
+	ln       net.Listener
+	network  string
+	upstream string
+
+	armCommit atomic.Bool
+	cutCommit chan struct{}
+
+	mu    sync.Mutex
+	conns map[net.Conn]struct{}
+	wg    sync.WaitGroup
+}
+
+// NewProxy starts a proxy to the test server of d and returns it together
+// with a pool connected through it (search_path set to d's schema).
+// Both are closed at cleanup.
+func (d *DB) NewProxy(tb testing.TB) (*Proxy, *pgxpool.Pool) {
+	tb.Helper()
+	cfg, err := pgxpool.ParseConfig(d.URL)
+	if err != nil {
+		tb.Fatalf("pgtest: parse url: %v", err)
+	}
+	host, port := cfg.ConnConfig.Host, cfg.ConnConfig.Port
+	p := &Proxy{network: "tcp", upstream: net.JoinHostPort(host, strconv.Itoa(int(port))),
+		cutCommit: make(chan struct{}, 1), conns: map[net.Conn]struct{}{}}
+	if len(host) > 0 && host[0] == '/' {
+		p.network, p.upstream = "unix", host+"/.s.PGSQL."+strconv.Itoa(int(port))
+	}
+	p.ln, err = net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		tb.Fatalf("pgtest: proxy listen: %v", err)
+	}
+	p.wg.Add(1)
+	go p.accept()
+	tb.Cleanup(p.Close)
+
+	addr := p.ln.Addr().(*net.TCPAddr)
+	pool := d.NewPool(tb, func(c *pgxpool.Config) {
+		c.ConnConfig.Host = "127.0.0.1"
+		c.ConnConfig.Port = uint16(addr.Port)
+		c.ConnConfig.Fallbacks = nil
+		c.ConnConfig.TLSConfig = nil
+		c.ConnConfig.ConnectTimeout = 5 * time.Second
+	})
+	return p, pool
+}
+
+// CutAfterNextCommit arms the proxy: the next COMMIT a client sends is
+// delivered to the server, and the client's connection is closed before the
+// server's answer reaches it. The commit takes effect; the client sees an
+// error. CommitCut is signalled when it happened.
+func (p *Proxy) CutAfterNextCommit() { p.armCommit.Store(true) }
+
+// CommitCut is signalled each time an armed commit was cut.
+func (p *Proxy) CommitCut() <-chan struct{} { return p.cutCommit }
+
+// CutAll closes every open connection through the proxy at once.
+func (p *Proxy) CutAll() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for c := range p.conns {
+		_ = c.Close()
+	}
+}
+
+// Close stops the proxy and closes its connections.
+func (p *Proxy) Close() {
+	_ = p.ln.Close()
+	p.CutAll()
+	p.wg.Wait()
+}
+
+func (p *Proxy) track(c net.Conn, add bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if add {
+		p.conns[c] = struct{}{}
+	} else {
+		delete(p.conns, c)
+	}
+}
+
+func (p *Proxy) accept() {
+	defer p.wg.Done()
+	for {
+		client, err := p.ln.Accept()
+		if err != nil {
+			return
+		}
+		server, err := net.Dial(p.network, p.upstream)
+		if err != nil {
+			_ = client.Close()
+			continue
+		}
+		p.track(client, true)
+		p.track(server, true)
+		p.wg.Add(2)
+		go func() {
+			defer p.wg.Done()
+			p.clientToServer(client, server)
+		}()
+		go func() {
+			defer p.wg.Done()
+			_, _ = io.Copy(client, server)
+			_ = client.Close()
+			_ = server.Close()
+			p.track(client, false)
+			p.track(server, false)
+		}()
+	}
+}
+
+func (p *Proxy) clientToServer(client, server net.Conn) {
+	defer func() {
+		_ = client.Close()
+		_ = server.Close()
+	}()
+	buf := make([]byte, 64<<10)
+	for {
+		n, err := client.Read(buf)
+		if n > 0 {
+			chunk := buf[:n]
+			cut := p.armCommit.Load() && bytes.Contains(chunk, commitMessage) && p.armCommit.CompareAndSwap(true, false)
+			if cut {
+				// The client must never see the server's answer: close its
+				// side first, then deliver the COMMIT and let the server
+				// process it before the server side is closed.
+				_ = client.Close()
+			}
+			if _, werr := server.Write(chunk); werr != nil {
+				return
+			}
+			if cut {
+				time.Sleep(200 * time.Millisecond)
+				select {
+				case p.cutCommit <- struct{}{}:
+				default:
+				}
+				return
+			}
+		}
+		if err != nil {
+			return
+		}
+	}
+}

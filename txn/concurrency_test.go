@@ -1,0 +1,245 @@
+package txn_test
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"sync/atomic"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+
+	"github.com/atomicphase/atomicphase/txn"
+)
+
+func TestFiftyGoroutinesOnOneNewKeyRunItOnce(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	var calls atomic.Int64
+	var executed, replayed, inUse atomic.Int64
+	var bodies sync.Map
+	start := make(chan struct{})
+	var wg sync.WaitGroup
+	for range 50 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			<-start
+			resp, err := e.runner.Run(ctx, chargeKey("k1", 700), insertCharge(&calls, "c1", 700))
+			switch {
+			case err == nil && resp.Replayed:
+				replayed.Add(1)
+				bodies.Store(string(resp.Body), true)
+			case err == nil:
+				executed.Add(1)
+				bodies.Store(string(resp.Body), true)
+			case errors.Is(err, txn.ErrKeyInUse):
+				inUse.Add(1)
+			default:
+				t.Errorf("unexpected result: %v", err)
+			}
+		}()
+	}
+	close(start)
+	wg.Wait()
+	require.Equal(t, int64(1), calls.Load(), "fn ran exactly once")
+	require.Equal(t, int64(1), executed.Load())
+	require.Equal(t, int64(50), executed.Load()+replayed.Load()+inUse.Load())
+	require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM charges`))
+	n := 0
+	bodies.Range(func(any, any) bool { n++; return true })
+	require.Equal(t, 1, n, "every caller that got a response got the same one")
+	t.Logf("executed=%d replayed=%d in_use=%d", executed.Load(), replayed.Load(), inUse.Load())
+}
+
+func TestFiftyGoroutinesOnOneWorkflowKeyRunEachPhaseOnce(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	f := newRideFlow(t, e.reg, "ride")
+	start := make(chan struct{})
+	var wg sync.WaitGroup
+	var ok, inUse atomic.Int64
+	for range 50 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			<-start
+			_, err := e.runner.RunWorkflow(ctx, rideKey("k1"), f.wf)
+			switch {
+			case err == nil:
+				ok.Add(1)
+			case errors.Is(err, txn.ErrKeyInUse):
+				inUse.Add(1)
+			default:
+				t.Errorf("unexpected: %v", err)
+			}
+		}()
+	}
+	close(start)
+	wg.Wait()
+	require.GreaterOrEqual(t, ok.Load(), int64(1))
+	require.Equal(t, int64(1), f.p1.Load())
+	require.Equal(t, int64(1), f.p3.Load())
+	require.Equal(t, int64(1), f.prov.calls.Load())
+	require.Equal(t, 2, e.Count(t, `SELECT count(*) FROM charges`))
+}
+
+// uninterrupted runs the ride workflow once, start to end, in a fresh schema.
+func uninterrupted(t *testing.T) txn.Response {
+	e := newEnv(t, nil)
+	f := newRideFlow(t, e.reg, "ride")
+	resp, err := e.runner.RunWorkflow(ctxT(t), rideKey("k1"), f.wf)
+	require.NoError(t, err)
+	return resp
+}
+
+func TestWorkflowInterruptedAfterPhaseResumesToSameResponse(t *testing.T) {
+	t.Parallel()
+	want := uninterrupted(t)
+	for _, point := range []string{"after_p1", "after_p2"} {
+		t.Run(point, func(t *testing.T) {
+			t.Parallel()
+			e := newEnv(t, nil)
+			ctx := ctxT(t)
+			f := newRideFlow(t, e.reg, "ride")
+			f.failAt.Store(point)
+			_, err := e.runner.RunWorkflow(ctx, rideKey("k1"), f.wf)
+			require.ErrorIs(t, err, errInjected)
+			f.failAt.Store("")
+			got, err := e.runner.RunWorkflow(ctx, rideKey("k1"), f.wf)
+			require.NoError(t, err)
+			require.Equal(t, want.Status, got.Status)
+			require.Equal(t, want.Header, got.Header)
+			require.JSONEq(t, string(want.Body), string(got.Body))
+			require.Equal(t, int64(1), f.p1.Load(), "phase 1 side effects exist once")
+			require.Equal(t, 1, f.prov.distinct(), "phase 2 charged once")
+			require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM charges WHERE ref = 'ride'`))
+			require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM charges WHERE ref LIKE 'ch_%'`))
+			// Resume via the recovery path gives the same stored answer.
+			again, err := e.runner.Resume(ctx, "user_1", "k1")
+			require.NoError(t, err)
+			require.True(t, again.Replayed)
+			require.Equal(t, got.Body, again.Body)
+		})
+	}
+}
+
+func TestResumeContinuesWithStoredParams(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	f := newRideFlow(t, e.reg, "ride")
+	f.failAt.Store("after_p1")
+	_, err := e.runner.RunWorkflow(ctx, rideKey("k1"), f.wf)
+	require.ErrorIs(t, err, errInjected)
+	f.failAt.Store("")
+	resp, err := e.runner.Resume(ctx, "user_1", "k1")
+	require.NoError(t, err)
+	require.Equal(t, 201, resp.Status)
+	require.Contains(t, string(resp.Body), `"amount":1250`)
+
+	_, err = e.runner.Resume(ctx, "user_1", "missing")
+	require.ErrorIs(t, err, txn.ErrKeyNotFound)
+
+	// A key whose workflow is not registered in this runner.
+	other := txn.NewRegistry()
+	r2, err := txn.New(e.Pool, &txn.Config{Workflows: other})
+	require.NoError(t, err)
+	f.failAt.Store("after_p1")
+	_, err = e.runner.RunWorkflow(ctx, rideKey("k2"), f.wf)
+	require.ErrorIs(t, err, errInjected)
+	_, err = r2.Resume(ctx, "user_1", "k2")
+	require.ErrorIs(t, err, txn.ErrUnknownWorkflow)
+}
+
+func TestAmbiguousCommitRetryReplaysNotReexecutes(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	proxy, pool := e.NewProxy(t)
+	r, err := txn.New(pool, &txn.Config{Workflows: e.reg})
+	require.NoError(t, err)
+
+	var calls atomic.Int64
+	proxy.CutAfterNextCommit()
+	_, err = r.Run(ctx, chargeKey("k1", 900), insertCharge(&calls, "c1", 900))
+	require.Error(t, err, "the caller sees the commit fail")
+	<-proxy.CommitCut()
+	require.Equal(t, "finished", readKey(t, e.Pool, "acct_1", "k1").Status, "but it committed on the server")
+
+	resp, err := r.Run(ctx, chargeKey("k1", 900), insertCharge(&calls, "c1", 900))
+	require.NoError(t, err)
+	require.True(t, resp.Replayed, "the retry replays")
+	require.Equal(t, int64(1), calls.Load())
+	require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM charges`))
+
+	// The same for a workflow's final phase.
+	f := newRideFlow(t, e.reg, "ride")
+	f.hook = func(point string, _ *txn.Attempt) {
+		if point == "in_p3" {
+			proxy.CutAfterNextCommit()
+		}
+	}
+	_, err = r.RunWorkflow(ctx, rideKey("w1"), f.wf)
+	require.Error(t, err)
+	<-proxy.CommitCut()
+	f.hook = nil
+	resp, err = r.RunWorkflow(ctx, rideKey("w1"), f.wf)
+	require.NoError(t, err)
+	require.True(t, resp.Replayed)
+	require.Equal(t, int64(1), f.p3.Load())
+	require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM charges WHERE ref LIKE 'ch_%'`))
+}
+
+func TestConnectionsCutMidPhaseLoseNothingAndDuplicateNothing(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	proxy, pool := e.NewProxy(t)
+	r, err := txn.New(pool, &txn.Config{Workflows: e.reg})
+	require.NoError(t, err)
+	f := newRideFlow(t, e.reg, "ride")
+	var cut atomic.Bool
+	f.hook = func(point string, _ *txn.Attempt) {
+		if point == "in_p3" && cut.CompareAndSwap(false, true) {
+			proxy.CutAll() // the database goes away mid-phase
+		}
+	}
+	_, err = r.RunWorkflow(ctx, rideKey("k1"), f.wf)
+	require.Error(t, err)
+	// The release could not reach the database either: the lease must
+	// expire before a retry can take over.
+	_, err = e.Pool.Exec(ctx, `UPDATE idempotency_keys SET leased_until = now() - interval '1 second' WHERE lease_token IS NOT NULL`)
+	require.NoError(t, err)
+	resp, err := r.RunWorkflow(ctx, rideKey("k1"), f.wf)
+	require.NoError(t, err)
+	require.Equal(t, 201, resp.Status)
+	require.Equal(t, int64(1), f.p1.Load())
+	require.Equal(t, 1, f.prov.distinct())
+	require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM charges WHERE ref LIKE 'ch_%'`))
+}
+
+func TestTerminatedBackendMidPhaseIsTransient(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	var calls atomic.Int64
+	_, err := e.runner.Run(ctx, chargeKey("k1", 1), func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+		calls.Add(1)
+		if _, err := tx.Exec(ctx, `INSERT INTO charges (ref, amount) VALUES ('x', 1)`); err != nil {
+			return txn.Response{}, err
+		}
+		_, err := tx.Exec(ctx, `SELECT pg_terminate_backend(pg_backend_pid())`)
+		return txn.Response{Status: 201}, err
+	})
+	require.Error(t, err)
+	require.Equal(t, 0, e.Count(t, `SELECT count(*) FROM idempotency_keys`))
+	require.Equal(t, 0, e.Count(t, `SELECT count(*) FROM charges`))
+	resp, err := e.runner.Run(ctx, chargeKey("k1", 1), insertCharge(&calls, "c", 1))
+	require.NoError(t, err)
+	require.Equal(t, 201, resp.Status)
+	require.Equal(t, int64(2), calls.Load())
+}
