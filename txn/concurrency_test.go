@@ -6,6 +6,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
@@ -27,7 +28,10 @@ func TestFiftyGoroutinesOnOneNewKeyRunItOnce(t *testing.T) {
 		go func() {
 			defer wg.Done()
 			<-start
-			resp, err := e.runner.Run(ctx, chargeKey("k1", 700), insertCharge(&calls, "c1", 700))
+			resp, err := e.runner.Run(ctx, chargeKey("k1", 700), func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+				time.Sleep(200 * time.Millisecond) // hold the key while others arrive
+				return insertCharge(&calls, "c1", 700)(ctx, tx)
+			})
 			switch {
 			case err == nil && resp.Replayed:
 				replayed.Add(1)
