@@ -1,10 +1,3 @@
-// Package migrations holds atomicphase's schema as goose SQL migrations.
-//
-// The files are the schema's single source: sqlc reads them to generate the
-// query code, tests apply them to every test schema, and deploys apply them
-// with the goose CLI or with [Up]. They record their version in their own
-// table, [TableName], so they never clash with the host application's goose
-// migrations in the same database.
 package migrations
 
 import (
@@ -12,6 +5,7 @@ import (
 	"embed"
 	"errors"
 	"fmt"
+	"hash/fnv"
 	"io/fs"
 
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -29,10 +23,16 @@ var FS embed.FS
 // Pass it to the goose CLI with -table.
 const TableName = "atomicphase_goose_db_version"
 
-// lockID is the session advisory lock taken while migrating, so that several
-// processes starting at once apply each migration once. It differs from
-// goose's default lock so the host application's migrations do not wait on ours.
-const lockID int64 = 0x61746f6d69637068 // "atomicph"
+// lockID returns the session advisory lock taken while migrating schema, so
+// that several processes starting at once apply each migration once. It is
+// derived from the schema, so migrating one schema never waits on another,
+// and differs from goose's default lock, so the host application's own
+// migrations do not wait on ours.
+func lockID(schema string) int64 {
+	h := fnv.New64a()
+	h.Write([]byte("atomicphase/migrations\x00" + schema))
+	return int64(h.Sum64() &^ (1 << 63))
+}
 
 // ErrSchemaBehind reports that the database lacks migrations this build needs.
 var ErrSchemaBehind = errors.New("migrations: database schema is behind")
@@ -40,7 +40,7 @@ var ErrSchemaBehind = errors.New("migrations: database schema is behind")
 // Up applies every pending migration, holding an advisory lock so concurrent
 // callers do not race. It is safe to call at every process start.
 func Up(ctx context.Context, pool *pgxpool.Pool) error {
-	p, closeFn, err := newProvider(pool)
+	p, closeFn, err := newProvider(ctx, pool)
 	if err != nil {
 		return err
 	}
@@ -54,7 +54,7 @@ func Up(ctx context.Context, pool *pgxpool.Pool) error {
 // DownTo rolls the schema back to version (0 removes every table).
 // Rolling back drops data: it is meant for development and tests.
 func DownTo(ctx context.Context, pool *pgxpool.Pool, version int64) error {
-	p, closeFn, err := newProvider(pool)
+	p, closeFn, err := newProvider(ctx, pool)
 	if err != nil {
 		return err
 	}
@@ -68,7 +68,7 @@ func DownTo(ctx context.Context, pool *pgxpool.Pool, version int64) error {
 // Check returns nil when the database has every migration this build embeds,
 // and an error wrapping [ErrSchemaBehind] naming the first missing one otherwise.
 func Check(ctx context.Context, pool *pgxpool.Pool) error {
-	p, closeFn, err := newProvider(pool)
+	p, closeFn, err := newProvider(ctx, pool)
 	if err != nil {
 		return err
 	}
@@ -86,11 +86,16 @@ func Check(ctx context.Context, pool *pgxpool.Pool) error {
 	return nil
 }
 
-func newProvider(pool *pgxpool.Pool) (*goose.Provider, func(), error) {
+func newProvider(ctx context.Context, pool *pgxpool.Pool) (*goose.Provider, func(), error) {
 	if pool == nil {
 		return nil, nil, errors.New("migrations: pool is nil")
 	}
-	locker, err := lock.NewPostgresSessionLocker(lock.WithLockID(lockID))
+	var schema string
+	if err := pool.QueryRow(ctx, "SELECT coalesce(current_schema(), '')").Scan(&schema); err != nil {
+		return nil, nil, fmt.Errorf("migrations: current schema: %w", err)
+	}
+	// Poll for the lock every second, for up to five minutes.
+	locker, err := lock.NewPostgresSessionLocker(lock.WithLockID(lockID(schema)), lock.WithLockTimeout(1, 300))
 	if err != nil {
 		return nil, nil, fmt.Errorf("migrations: locker: %w", err)
 	}

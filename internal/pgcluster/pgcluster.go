@@ -42,6 +42,7 @@ type Cluster struct {
 	sockDir string
 	bindir  string
 	cred    *syscall.Credential
+	options string // server settings as pg_ctl -o flags, reused on restart
 }
 
 // Start creates and starts a cluster. Call Stop to shut it down and delete it.
@@ -99,8 +100,9 @@ func Start(ctx context.Context, opts Options) (*Cluster, error) {
 	for _, k := range names {
 		fmt.Fprintf(&o, " -c %s=%s", k, settings[k])
 	}
+	c.options = o.String()
 	if err := c.run(ctx, "pg_ctl", "-D", c.dataDir, "-l", filepath.Join(dir, "server.log"),
-		"-w", "-t", "60", "-o", o.String(), "start"); err != nil {
+		"-w", "-t", "60", "-o", c.options, "start"); err != nil {
 		logTail, _ := os.ReadFile(filepath.Join(dir, "server.log"))
 		_ = os.RemoveAll(dir)
 		return nil, fmt.Errorf("%w\nserver log:\n%s", err, logTail)
@@ -122,7 +124,7 @@ func (c *Cluster) Restart(ctx context.Context, mode string) error {
 	if err := c.run(ctx, "pg_ctl", "-D", c.dataDir, "-m", mode, "-w", "stop"); err != nil {
 		return err
 	}
-	return c.run(ctx, "pg_ctl", "-D", c.dataDir, "-l", filepath.Join(c.dir, "server.log"), "-w", "-t", "60", "start")
+	return c.run(ctx, "pg_ctl", "-D", c.dataDir, "-l", filepath.Join(c.dir, "server.log"), "-w", "-t", "60", "-o", c.options, "start")
 }
 
 // Stop shuts the server down immediately and deletes its directory.
