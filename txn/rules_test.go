@@ -5,7 +5,6 @@ package txn_test
 
 import (
 	"context"
-	"errors"
 	"net/http"
 	"strings"
 	"sync"
@@ -668,14 +667,4 @@ func TestRule10_InvalidKeysAreRejectedBeforeAnySQL(t *testing.T) {
 	require.NoError(t, txn.ValidateKey(strings.Repeat("a", 255)))
 	require.NoError(t, txn.ValidateKey(" ~!valid key~ "))
 	require.Equal(t, 0, e.Count(t, `SELECT count(*) FROM idempotency_keys`))
-}
-
-// errorsIsAny is a small helper for table tests.
-func errorsIsAny(err error, targets ...error) bool {
-	for _, t := range targets {
-		if errors.Is(err, t) {
-			return true
-		}
-	}
-	return false
 }
