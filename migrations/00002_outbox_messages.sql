@@ -3,7 +3,10 @@
 -- the phase committed. The relay publishes them after commit.
 CREATE TABLE outbox_messages (
     id                 bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-    idempotency_key_id bigint REFERENCES idempotency_keys (id) ON DELETE SET NULL,
+    -- Checked at commit: a single-phase run stages messages before its key
+    -- row is inserted, in the same transaction.
+    idempotency_key_id bigint REFERENCES idempotency_keys (id) ON DELETE SET NULL
+                              DEFERRABLE INITIALLY DEFERRED,
     topic              text        NOT NULL,
     ordering_key       text,
     payload            bytea       NOT NULL,

@@ -19,24 +19,49 @@ SELECT id, fingerprint, request_method, request_path, request_params, workflow,
 FROM idempotency_keys
 WHERE scope = @scope AND key = @key;
 
+-- name: ReserveKey :one
+-- Starts a single-phase run: takes a transaction-scoped advisory lock on
+-- (scope, key), without waiting, and reserves the row's id. An id of 0 means
+-- another attempt holds the key in an uncommitted transaction. It reads no
+-- table, so it takes no SERIALIZABLE predicate lock.
+SELECT coalesce(CASE WHEN pg_try_advisory_xact_lock(
+                         hashtextextended(length(@scope::text)::text || ':' || @scope::text || @key::text, 7340033))
+                     THEN nextval(pg_get_serial_sequence('idempotency_keys', 'id'))
+                END, 0)::bigint AS id;
+
+-- name: InsertFinishedKey :exec
+-- Ends a single-phase run: the key row, already finished with its response,
+-- inserted in the same transaction as the run's writes. A plain INSERT (no
+-- ON CONFLICT, which would read the unique index under a predicate lock); a
+-- unique violation means a concurrent attempt committed the key first.
+INSERT INTO idempotency_keys (
+    id, scope, key, fingerprint, request_method, request_path, request_params,
+    workflow, recovery_point, phase_results, status, attempts, created_at,
+    last_run_at, finished_at, response_status, response_headers, response_body
+) VALUES (
+    @id, @scope, @key, @fingerprint, @request_method, @request_path, @request_params,
+    '', 'finished', '{}'::jsonb, 'finished', 1, now(),
+    now(), now(), @response_status, @response_headers, @response_body
+);
+
 -- name: InsertKey :one
--- Creates a key row, taking a transaction-scoped advisory lock on (scope, key)
--- first so that a concurrent attempt whose insert is still uncommitted makes
--- this return no row at once instead of waiting on the unique index.
+-- Creates a running workflow key holding a lease, taking the same advisory
+-- lock as ReserveKey first, so that a concurrent attempt whose insert is
+-- uncommitted makes this return no row at once instead of waiting on the
+-- unique index. Runs in its own (not SERIALIZABLE) transaction.
 INSERT INTO idempotency_keys (
     scope, key, fingerprint, request_method, request_path, request_params,
     workflow, recovery_point, phase_results, status, lease_token, leased_until,
     attempts, created_at, last_run_at
 )
 SELECT @scope, @key, @fingerprint, @request_method, @request_path, @request_params,
-       @workflow, 'started', '{}'::jsonb, 'running', sqlc.narg(lease_token)::uuid,
-       CASE WHEN sqlc.narg(lease_token)::uuid IS NULL THEN NULL
-            ELSE now() + make_interval(secs => @lease_seconds::float8) END,
+       @workflow, 'started', '{}'::jsonb, 'running', @lease_token::uuid,
+       now() + make_interval(secs => @lease_seconds::float8),
        1, now(), now()
 WHERE pg_try_advisory_xact_lock(
     hashtextextended(length(@scope::text)::text || ':' || @scope::text || @key::text, 7340033))
 ON CONFLICT (scope, key) DO NOTHING
-RETURNING id;
+RETURNING id, ctid;
 
 -- name: TakeOverKey :one
 -- Takes the lease of a running key whose lease is free or expired, with a new
@@ -50,28 +75,39 @@ SET lease_token = @lease_token,
 WHERE id = @id
   AND status = 'running'
   AND (lease_token IS NULL OR leased_until <= now())
-RETURNING recovery_point, phase_results, attempts;
+RETURNING ctid, recovery_point, phase_results, attempts;
 
--- name: CommitPhase :execrows
--- Records a committed phase in the phase's own transaction, fenced by the
--- lease token: zero rows means the lease was lost and the phase must roll back.
+-- Fenced updates. The lease holder addresses its row by ctid (a TID scan
+-- locks only the tuple, where an index scan would take a predicate lock on
+-- a whole btree page shared with unrelated keys) and by id and lease token:
+-- no row means the row moved (see LocateHeldKey) or the lease was lost.
+
+-- name: CommitPhase :one
+-- Records a committed phase in the phase's own transaction.
 UPDATE idempotency_keys
 SET recovery_point = @phase::text,
     phase_results = phase_results || jsonb_build_object(@phase::text, @result::jsonb),
     leased_until = now() + make_interval(secs => @lease_seconds::float8),
     last_run_at = now()
-WHERE id = @id AND lease_token = @lease_token AND status = 'running';
+WHERE ctid = @tid AND id = @id AND lease_token = @lease_token AND status = 'running'
+RETURNING ctid;
 
--- name: ExtendLease :execrows
--- Extends a held lease (before a foreign call); zero rows means it was lost.
+-- name: ExtendLease :one
+-- Extends a held lease (before a foreign call).
 UPDATE idempotency_keys
 SET leased_until = now() + make_interval(secs => @lease_seconds::float8),
     last_run_at = now()
+WHERE ctid = @tid AND id = @id AND lease_token = @lease_token AND status = 'running'
+RETURNING ctid;
+
+-- name: LocateHeldKey :one
+-- Finds the current ctid of a key whose lease this attempt still holds;
+-- no row means the lease was lost.
+SELECT ctid FROM idempotency_keys
 WHERE id = @id AND lease_token = @lease_token AND status = 'running';
 
--- name: FinishKey :execrows
--- Stores the terminal response and releases the lease, fenced by the token
--- (NULL for a single-phase run, whose row is not yet visible to anyone else).
+-- name: FinishKey :one
+-- Stores the terminal response and releases the lease.
 UPDATE idempotency_keys
 SET status = 'finished',
     recovery_point = @recovery_point,
@@ -82,13 +118,12 @@ SET status = 'finished',
     last_run_at = now(),
     lease_token = NULL,
     leased_until = NULL
-WHERE id = @id
-  AND lease_token IS NOT DISTINCT FROM sqlc.narg(lease_token)::uuid
-  AND status = 'running';
+WHERE ctid = @tid AND id = @id AND lease_token = @lease_token AND status = 'running'
+RETURNING ctid;
 
 -- name: ReleaseKey :execrows
 -- Frees the lease after a transient error; the recovery point stays, so a
--- retry or the resumer continues from it.
+-- retry or the resumer continues from it. Runs in its own transaction.
 UPDATE idempotency_keys
 SET lease_token = NULL, leased_until = NULL, last_run_at = now()
 WHERE id = @id AND lease_token = @lease_token AND status = 'running';

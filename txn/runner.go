@@ -233,15 +233,12 @@ func (r *Runner) runSingle(ctx context.Context, req request, fn Func) (resp Resp
 		}
 	}()
 	q := r.q.WithTx(tx)
-	id, err := q.InsertKey(ctx, db.InsertKeyParams{
-		Scope: req.key.Scope, Key: req.key.Value, Fingerprint: req.fingerprint,
-		RequestMethod: req.key.Method, RequestPath: req.key.Path, RequestParams: req.params,
-	})
-	if errors.Is(err, pgx.ErrNoRows) {
-		return Response{}, errRaced
-	}
+	id, err := q.ReserveKey(ctx, db.ReserveKeyParams{Scope: req.key.Scope, Key: req.key.Value})
 	if err != nil {
-		return Response{}, fmt.Errorf("insert key: %w", err)
+		return Response{}, fmt.Errorf("reserve key: %w", err)
+	}
+	if id == 0 {
+		return Response{}, errRaced // held by an uncommitted attempt
 	}
 	resp, err = callPhase(phasectx.WithKeyID(ctx, id), tx, fn)
 	if err != nil {
@@ -254,15 +251,16 @@ func (r *Runner) runSingle(ctx context.Context, req request, fn Func) (resp Resp
 	if err != nil {
 		return Response{}, err
 	}
-	n, err := q.FinishKey(ctx, db.FinishKeyParams{
-		ID: id, RecoveryPoint: pointFinished, ResponseStatus: int4(resp.Status),
-		ResponseHeaders: header, ResponseBody: resp.Body,
+	err = q.InsertFinishedKey(ctx, db.InsertFinishedKeyParams{
+		ID: id, Scope: req.key.Scope, Key: req.key.Value, Fingerprint: req.fingerprint,
+		RequestMethod: req.key.Method, RequestPath: req.key.Path, RequestParams: req.params,
+		ResponseStatus: int4(resp.Status), ResponseHeaders: header, ResponseBody: resp.Body,
 	})
-	if err != nil {
-		return Response{}, fmt.Errorf("store response: %w", err)
+	if pgerr.IsUniqueViolation(err) {
+		return Response{}, errRaced // committed by another attempt since our lookup
 	}
-	if n != 1 {
-		return Response{}, fmt.Errorf("store response: %d rows updated, want 1", n)
+	if err != nil {
+		return Response{}, fmt.Errorf("store key and response: %w", err)
 	}
 	if err := tx.Commit(ctx); err != nil {
 		return Response{}, fmt.Errorf("commit: %w", err)

@@ -112,6 +112,7 @@ type Attempt struct {
 	req      request
 	workflow string
 	id       int64
+	tid      pgtype.TID // the key row's current ctid, for fenced updates
 	token    uuid.UUID
 	number   int
 	start    string
@@ -203,6 +204,7 @@ func Atomic[T any](ctx context.Context, a *Attempt, name string, fn func(ctx con
 		return v, err
 	}
 	var raw []byte
+	var tid pgtype.TID
 	err := a.r.inTx(ctx, func(tx pgx.Tx) error {
 		v, err := callPhase(phasectx.WithKeyID(ctx, a.id), tx, fn)
 		if err != nil {
@@ -212,11 +214,13 @@ func Atomic[T any](ctx context.Context, a *Attempt, name string, fn func(ctx con
 		if err != nil {
 			return fmt.Errorf("%w: encode result: %w", ErrInvalidUse, err)
 		}
-		return a.commitPhase(ctx, a.r.q.WithTx(tx), name, raw)
+		tid, err = a.commitPhase(ctx, a.r.q.WithTx(tx), name, raw)
+		return err
 	})
 	if err != nil {
 		return zero, fmt.Errorf("txn: phase %q: %w", name, err)
 	}
+	a.tid = tid // only now: a rolled-back try leaves the row where it was
 	return recordResult[T](a, name, raw)
 }
 
@@ -242,15 +246,15 @@ func Foreign[T any](ctx context.Context, a *Attempt, name string, fn func(ctx co
 	}
 	// Check and extend the lease before calling out: a holder that lost
 	// its key must not call the provider on the operation's behalf.
-	n, err := a.r.q.ExtendLease(ctx, db.ExtendLeaseParams{
-		ID: a.id, LeaseToken: uuid.NullUUID{UUID: a.token, Valid: true}, LeaseSeconds: a.r.cfg.LeaseDuration.Seconds(),
+	tid, err := a.fenced(ctx, a.r.q, func(tid pgtype.TID) (pgtype.TID, error) {
+		return a.r.q.ExtendLease(ctx, db.ExtendLeaseParams{
+			Tid: tid, ID: a.id, LeaseToken: a.nullToken(), LeaseSeconds: a.r.cfg.LeaseDuration.Seconds(),
+		})
 	})
 	if err != nil {
 		return zero, fmt.Errorf("txn: phase %q: extend lease: %w", name, err)
 	}
-	if n == 0 {
-		return zero, fmt.Errorf("txn: phase %q: %w", name, ErrLeaseLost)
-	}
+	a.tid = tid
 	v, err := callForeign(ctx, a.ForeignKey(name), fn)
 	if err != nil {
 		return zero, err
@@ -260,9 +264,11 @@ func Foreign[T any](ctx context.Context, a *Attempt, name string, fn func(ctx co
 		return zero, fmt.Errorf("txn: phase %q: %w: encode result: %w", name, ErrInvalidUse, err)
 	}
 	// One UPDATE in its own transaction records the result, fenced.
-	if err := a.commitPhase(ctx, a.r.q, name, raw); err != nil {
+	tid, err = a.commitPhase(ctx, a.r.q, name, raw)
+	if err != nil {
 		return zero, fmt.Errorf("txn: phase %q: %w", name, err)
 	}
+	a.tid = tid
 	return recordResult[T](a, name, raw)
 }
 
@@ -275,18 +281,44 @@ func callForeign[T any](ctx context.Context, fk string, fn func(context.Context,
 	return fn(ctx, fk)
 }
 
-func (a *Attempt) commitPhase(ctx context.Context, q *db.Queries, name string, raw []byte) error {
-	n, err := q.CommitPhase(ctx, db.CommitPhaseParams{
-		ID: a.id, LeaseToken: uuid.NullUUID{UUID: a.token, Valid: true},
-		Phase: name, Result: raw, LeaseSeconds: a.r.cfg.LeaseDuration.Seconds(),
+func (a *Attempt) commitPhase(ctx context.Context, q *db.Queries, name string, raw []byte) (pgtype.TID, error) {
+	tid, err := a.fenced(ctx, q, func(tid pgtype.TID) (pgtype.TID, error) {
+		return q.CommitPhase(ctx, db.CommitPhaseParams{
+			Tid: tid, ID: a.id, LeaseToken: a.nullToken(),
+			Phase: name, Result: raw, LeaseSeconds: a.r.cfg.LeaseDuration.Seconds(),
+		})
 	})
 	if err != nil {
-		return fmt.Errorf("record phase: %w", err)
+		return tid, fmt.Errorf("record phase: %w", err)
 	}
-	if n == 0 {
-		return ErrLeaseLost
+	return tid, nil
+}
+
+func (a *Attempt) nullToken() uuid.NullUUID { return uuid.NullUUID{UUID: a.token, Valid: true} }
+
+// fenced runs a lease-fenced UPDATE that addresses the key row by its ctid
+// and returns the row's new ctid. Addressing by ctid keeps SERIALIZABLE
+// phases from taking predicate locks on primary-key btree pages, which
+// would make unrelated keys conflict with each other. If the row is not at
+// its last known ctid, it is located by id and lease token (no row: the
+// lease was lost) and the update is tried there.
+func (a *Attempt) fenced(ctx context.Context, q *db.Queries, update func(pgtype.TID) (pgtype.TID, error)) (pgtype.TID, error) {
+	tid, err := update(a.tid)
+	if !errors.Is(err, pgx.ErrNoRows) {
+		return tid, err
 	}
-	return nil
+	cur, err := q.LocateHeldKey(ctx, db.LocateHeldKeyParams{ID: a.id, LeaseToken: a.nullToken()})
+	if errors.Is(err, pgx.ErrNoRows) {
+		return tid, ErrLeaseLost
+	}
+	if err != nil {
+		return tid, err
+	}
+	tid, err = update(cur)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return tid, ErrLeaseLost
+	}
+	return tid, err
 }
 
 // recordResult notes a committed phase and returns its JSON round trip.
@@ -337,17 +369,16 @@ func (a *Attempt) store(ctx context.Context, q *db.Queries, resp Response, point
 	if err != nil {
 		return err
 	}
-	n, err := q.FinishKey(ctx, db.FinishKeyParams{
-		ID: a.id, LeaseToken: uuid.NullUUID{UUID: a.token, Valid: true}, RecoveryPoint: point,
-		ResponseStatus: int4(resp.Status), ResponseHeaders: header, ResponseBody: resp.Body,
+	_, err = a.fenced(ctx, q, func(tid pgtype.TID) (pgtype.TID, error) {
+		return q.FinishKey(ctx, db.FinishKeyParams{
+			Tid: tid, ID: a.id, LeaseToken: a.nullToken(), RecoveryPoint: point,
+			ResponseStatus: int4(resp.Status), ResponseHeaders: header, ResponseBody: resp.Body,
+		})
 	})
-	if err != nil {
+	if err != nil && !errors.Is(err, ErrLeaseLost) {
 		return fmt.Errorf("store response: %w", err)
 	}
-	if n == 0 {
-		return ErrLeaseLost
-	}
-	return nil
+	return err
 }
 
 func int4(v int) pgtype.Int4 { return pgtype.Int4{Int32: int32(v), Valid: true} }
@@ -394,12 +425,11 @@ func (r *Runner) acquire(ctx context.Context, req request, workflow string) (*At
 	row, err := r.q.LookupKey(ctx, db.LookupKeyParams{Scope: req.key.Scope, Key: req.key.Value})
 	if errors.Is(err, pgx.ErrNoRows) {
 		token := uuid.New()
-		var id int64
-		id, err = r.q.InsertKey(ctx, db.InsertKeyParams{
+		var ins db.InsertKeyRow
+		ins, err = r.q.InsertKey(ctx, db.InsertKeyParams{
 			Scope: req.key.Scope, Key: req.key.Value, Fingerprint: req.fingerprint,
 			RequestMethod: req.key.Method, RequestPath: req.key.Path, RequestParams: req.params,
-			Workflow: workflow, LeaseToken: uuid.NullUUID{UUID: token, Valid: true},
-			LeaseSeconds: r.cfg.LeaseDuration.Seconds(),
+			Workflow: workflow, LeaseToken: token, LeaseSeconds: r.cfg.LeaseDuration.Seconds(),
 		})
 		if errors.Is(err, pgx.ErrNoRows) {
 			// Inserted concurrently: committed (look again) or in flight.
@@ -410,7 +440,7 @@ func (r *Runner) acquire(ctx context.Context, req request, workflow string) (*At
 		} else if err != nil {
 			return nil, Response{}, fmt.Errorf("txn: run workflow %q: insert key: %w", workflow, err)
 		} else {
-			return r.newAttempt(req, workflow, id, token, 1, pointStarted, nil)
+			return r.newAttempt(req, workflow, ins.ID, ins.Ctid, token, 1, pointStarted, nil)
 		}
 	}
 	if err != nil {
@@ -435,12 +465,12 @@ func (r *Runner) takeOver(ctx context.Context, req request, workflow string, id 
 	if err != nil {
 		return nil, Response{}, fmt.Errorf("txn: run workflow %q: take over key: %w", workflow, err)
 	}
-	return r.newAttempt(req, workflow, id, token, int(taken.Attempts), taken.RecoveryPoint, taken.PhaseResults)
+	return r.newAttempt(req, workflow, id, taken.Ctid, token, int(taken.Attempts), taken.RecoveryPoint, taken.PhaseResults)
 }
 
-func (r *Runner) newAttempt(req request, workflow string, id int64, token uuid.UUID, number int, point string, results []byte) (*Attempt, Response, error) {
+func (r *Runner) newAttempt(req request, workflow string, id int64, tid pgtype.TID, token uuid.UUID, number int, point string, results []byte) (*Attempt, Response, error) {
 	a := &Attempt{
-		r: r, req: req, workflow: workflow, id: id, token: token, number: number,
+		r: r, req: req, workflow: workflow, id: id, tid: tid, token: token, number: number,
 		start: point, point: point, results: map[string]json.RawMessage{}, seen: map[string]bool{},
 	}
 	if len(results) > 0 {

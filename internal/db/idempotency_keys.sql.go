@@ -12,62 +12,74 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 )
 
-const commitPhase = `-- name: CommitPhase :execrows
+const commitPhase = `-- name: CommitPhase :one
+
 UPDATE idempotency_keys
 SET recovery_point = $1::text,
     phase_results = phase_results || jsonb_build_object($1::text, $2::jsonb),
     leased_until = now() + make_interval(secs => $3::float8),
     last_run_at = now()
-WHERE id = $4 AND lease_token = $5 AND status = 'running'
+WHERE ctid = $4 AND id = $5 AND lease_token = $6 AND status = 'running'
+RETURNING ctid
 `
 
 type CommitPhaseParams struct {
 	Phase        string
 	Result       []byte
 	LeaseSeconds float64
+	Tid          pgtype.TID
 	ID           int64
 	LeaseToken   uuid.NullUUID
 }
 
-// Records a committed phase in the phase's own transaction, fenced by the
-// lease token: zero rows means the lease was lost and the phase must roll back.
-func (q *Queries) CommitPhase(ctx context.Context, arg CommitPhaseParams) (int64, error) {
-	result, err := q.db.Exec(ctx, commitPhase,
+// Fenced updates. The lease holder addresses its row by ctid (a TID scan
+// locks only the tuple, where an index scan would take a predicate lock on
+// a whole btree page shared with unrelated keys) and by id and lease token:
+// no row means the row moved (see LocateHeldKey) or the lease was lost.
+// Records a committed phase in the phase's own transaction.
+func (q *Queries) CommitPhase(ctx context.Context, arg CommitPhaseParams) (pgtype.TID, error) {
+	row := q.db.QueryRow(ctx, commitPhase,
 		arg.Phase,
 		arg.Result,
 		arg.LeaseSeconds,
+		arg.Tid,
 		arg.ID,
 		arg.LeaseToken,
 	)
-	if err != nil {
-		return 0, err
-	}
-	return result.RowsAffected(), nil
+	var ctid pgtype.TID
+	err := row.Scan(&ctid)
+	return ctid, err
 }
 
-const extendLease = `-- name: ExtendLease :execrows
+const extendLease = `-- name: ExtendLease :one
 UPDATE idempotency_keys
 SET leased_until = now() + make_interval(secs => $1::float8),
     last_run_at = now()
-WHERE id = $2 AND lease_token = $3 AND status = 'running'
+WHERE ctid = $2 AND id = $3 AND lease_token = $4 AND status = 'running'
+RETURNING ctid
 `
 
 type ExtendLeaseParams struct {
 	LeaseSeconds float64
+	Tid          pgtype.TID
 	ID           int64
 	LeaseToken   uuid.NullUUID
 }
 
-// Extends a held lease (before a foreign call); zero rows means it was lost.
-func (q *Queries) ExtendLease(ctx context.Context, arg ExtendLeaseParams) (int64, error) {
-	result, err := q.db.Exec(ctx, extendLease, arg.LeaseSeconds, arg.ID, arg.LeaseToken)
-	if err != nil {
-		return 0, err
-	}
-	return result.RowsAffected(), nil
+// Extends a held lease (before a foreign call).
+func (q *Queries) ExtendLease(ctx context.Context, arg ExtendLeaseParams) (pgtype.TID, error) {
+	row := q.db.QueryRow(ctx, extendLease,
+		arg.LeaseSeconds,
+		arg.Tid,
+		arg.ID,
+		arg.LeaseToken,
+	)
+	var ctid pgtype.TID
+	err := row.Scan(&ctid)
+	return ctid, err
 }
 
-const finishKey = `-- name: FinishKey :execrows
+const finishKey = `-- name: FinishKey :one
 UPDATE idempotency_keys
 SET status = 'finished',
     recovery_point = $1,
@@ -78,9 +90,8 @@ SET status = 'finished',
     last_run_at = now(),
     lease_token = NULL,
     leased_until = NULL
-WHERE id = $5
-  AND lease_token IS NOT DISTINCT FROM $6::uuid
-  AND status = 'running'
+WHERE ctid = $5 AND id = $6 AND lease_token = $7 AND status = 'running'
+RETURNING ctid
 `
 
 type FinishKeyParams struct {
@@ -88,25 +99,70 @@ type FinishKeyParams struct {
 	ResponseStatus  pgtype.Int4
 	ResponseHeaders []byte
 	ResponseBody    []byte
+	Tid             pgtype.TID
 	ID              int64
 	LeaseToken      uuid.NullUUID
 }
 
-// Stores the terminal response and releases the lease, fenced by the token
-// (NULL for a single-phase run, whose row is not yet visible to anyone else).
-func (q *Queries) FinishKey(ctx context.Context, arg FinishKeyParams) (int64, error) {
-	result, err := q.db.Exec(ctx, finishKey,
+// Stores the terminal response and releases the lease.
+func (q *Queries) FinishKey(ctx context.Context, arg FinishKeyParams) (pgtype.TID, error) {
+	row := q.db.QueryRow(ctx, finishKey,
 		arg.RecoveryPoint,
 		arg.ResponseStatus,
 		arg.ResponseHeaders,
 		arg.ResponseBody,
+		arg.Tid,
 		arg.ID,
 		arg.LeaseToken,
 	)
-	if err != nil {
-		return 0, err
-	}
-	return result.RowsAffected(), nil
+	var ctid pgtype.TID
+	err := row.Scan(&ctid)
+	return ctid, err
+}
+
+const insertFinishedKey = `-- name: InsertFinishedKey :exec
+INSERT INTO idempotency_keys (
+    id, scope, key, fingerprint, request_method, request_path, request_params,
+    workflow, recovery_point, phase_results, status, attempts, created_at,
+    last_run_at, finished_at, response_status, response_headers, response_body
+) VALUES (
+    $1, $2, $3, $4, $5, $6, $7,
+    '', 'finished', '{}'::jsonb, 'finished', 1, now(),
+    now(), now(), $8, $9, $10
+)
+`
+
+type InsertFinishedKeyParams struct {
+	ID              int64
+	Scope           string
+	Key             string
+	Fingerprint     []byte
+	RequestMethod   string
+	RequestPath     string
+	RequestParams   []byte
+	ResponseStatus  pgtype.Int4
+	ResponseHeaders []byte
+	ResponseBody    []byte
+}
+
+// Ends a single-phase run: the key row, already finished with its response,
+// inserted in the same transaction as the run's writes. A plain INSERT (no
+// ON CONFLICT, which would read the unique index under a predicate lock); a
+// unique violation means a concurrent attempt committed the key first.
+func (q *Queries) InsertFinishedKey(ctx context.Context, arg InsertFinishedKeyParams) error {
+	_, err := q.db.Exec(ctx, insertFinishedKey,
+		arg.ID,
+		arg.Scope,
+		arg.Key,
+		arg.Fingerprint,
+		arg.RequestMethod,
+		arg.RequestPath,
+		arg.RequestParams,
+		arg.ResponseStatus,
+		arg.ResponseHeaders,
+		arg.ResponseBody,
+	)
+	return err
 }
 
 const insertKey = `-- name: InsertKey :one
@@ -117,13 +173,12 @@ INSERT INTO idempotency_keys (
 )
 SELECT $1, $2, $3, $4, $5, $6,
        $7, 'started', '{}'::jsonb, 'running', $8::uuid,
-       CASE WHEN $8::uuid IS NULL THEN NULL
-            ELSE now() + make_interval(secs => $9::float8) END,
+       now() + make_interval(secs => $9::float8),
        1, now(), now()
 WHERE pg_try_advisory_xact_lock(
     hashtextextended(length($1::text)::text || ':' || $1::text || $2::text, 7340033))
 ON CONFLICT (scope, key) DO NOTHING
-RETURNING id
+RETURNING id, ctid
 `
 
 type InsertKeyParams struct {
@@ -134,14 +189,20 @@ type InsertKeyParams struct {
 	RequestPath   string
 	RequestParams []byte
 	Workflow      string
-	LeaseToken    uuid.NullUUID
+	LeaseToken    uuid.UUID
 	LeaseSeconds  float64
 }
 
-// Creates a key row, taking a transaction-scoped advisory lock on (scope, key)
-// first so that a concurrent attempt whose insert is still uncommitted makes
-// this return no row at once instead of waiting on the unique index.
-func (q *Queries) InsertKey(ctx context.Context, arg InsertKeyParams) (int64, error) {
+type InsertKeyRow struct {
+	ID   int64
+	Ctid pgtype.TID
+}
+
+// Creates a running workflow key holding a lease, taking the same advisory
+// lock as ReserveKey first, so that a concurrent attempt whose insert is
+// uncommitted makes this return no row at once instead of waiting on the
+// unique index. Runs in its own (not SERIALIZABLE) transaction.
+func (q *Queries) InsertKey(ctx context.Context, arg InsertKeyParams) (InsertKeyRow, error) {
 	row := q.db.QueryRow(ctx, insertKey,
 		arg.Scope,
 		arg.Key,
@@ -153,9 +214,28 @@ func (q *Queries) InsertKey(ctx context.Context, arg InsertKeyParams) (int64, er
 		arg.LeaseToken,
 		arg.LeaseSeconds,
 	)
-	var id int64
-	err := row.Scan(&id)
-	return id, err
+	var i InsertKeyRow
+	err := row.Scan(&i.ID, &i.Ctid)
+	return i, err
+}
+
+const locateHeldKey = `-- name: LocateHeldKey :one
+SELECT ctid FROM idempotency_keys
+WHERE id = $1 AND lease_token = $2 AND status = 'running'
+`
+
+type LocateHeldKeyParams struct {
+	ID         int64
+	LeaseToken uuid.NullUUID
+}
+
+// Finds the current ctid of a key whose lease this attempt still holds;
+// no row means the lease was lost.
+func (q *Queries) LocateHeldKey(ctx context.Context, arg LocateHeldKeyParams) (pgtype.TID, error) {
+	row := q.db.QueryRow(ctx, locateHeldKey, arg.ID, arg.LeaseToken)
+	var ctid pgtype.TID
+	err := row.Scan(&ctid)
+	return ctid, err
 }
 
 const lookupKey = `-- name: LookupKey :one
@@ -279,13 +359,36 @@ type ReleaseKeyParams struct {
 }
 
 // Frees the lease after a transient error; the recovery point stays, so a
-// retry or the resumer continues from it.
+// retry or the resumer continues from it. Runs in its own transaction.
 func (q *Queries) ReleaseKey(ctx context.Context, arg ReleaseKeyParams) (int64, error) {
 	result, err := q.db.Exec(ctx, releaseKey, arg.ID, arg.LeaseToken)
 	if err != nil {
 		return 0, err
 	}
 	return result.RowsAffected(), nil
+}
+
+const reserveKey = `-- name: ReserveKey :one
+SELECT coalesce(CASE WHEN pg_try_advisory_xact_lock(
+                         hashtextextended(length($1::text)::text || ':' || $1::text || $2::text, 7340033))
+                     THEN nextval(pg_get_serial_sequence('idempotency_keys', 'id'))
+                END, 0)::bigint AS id
+`
+
+type ReserveKeyParams struct {
+	Scope string
+	Key   string
+}
+
+// Starts a single-phase run: takes a transaction-scoped advisory lock on
+// (scope, key), without waiting, and reserves the row's id. An id of 0 means
+// another attempt holds the key in an uncommitted transaction. It reads no
+// table, so it takes no SERIALIZABLE predicate lock.
+func (q *Queries) ReserveKey(ctx context.Context, arg ReserveKeyParams) (int64, error) {
+	row := q.db.QueryRow(ctx, reserveKey, arg.Scope, arg.Key)
+	var id int64
+	err := row.Scan(&id)
+	return id, err
 }
 
 const takeOverKey = `-- name: TakeOverKey :one
@@ -297,7 +400,7 @@ SET lease_token = $1,
 WHERE id = $3
   AND status = 'running'
   AND (lease_token IS NULL OR leased_until <= now())
-RETURNING recovery_point, phase_results, attempts
+RETURNING ctid, recovery_point, phase_results, attempts
 `
 
 type TakeOverKeyParams struct {
@@ -307,6 +410,7 @@ type TakeOverKeyParams struct {
 }
 
 type TakeOverKeyRow struct {
+	Ctid          pgtype.TID
 	RecoveryPoint string
 	PhaseResults  []byte
 	Attempts      int32
@@ -318,6 +422,11 @@ type TakeOverKeyRow struct {
 func (q *Queries) TakeOverKey(ctx context.Context, arg TakeOverKeyParams) (TakeOverKeyRow, error) {
 	row := q.db.QueryRow(ctx, takeOverKey, arg.LeaseToken, arg.LeaseSeconds, arg.ID)
 	var i TakeOverKeyRow
-	err := row.Scan(&i.RecoveryPoint, &i.PhaseResults, &i.Attempts)
+	err := row.Scan(
+		&i.Ctid,
+		&i.RecoveryPoint,
+		&i.PhaseResults,
+		&i.Attempts,
+	)
 	return i, err
 }

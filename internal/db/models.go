@@ -33,6 +33,7 @@ type IdempotencyKey struct {
 	ResponseHeaders []byte
 	ResponseBody    []byte
 	FailureReason   pgtype.Text
+	Ctid            pgtype.TID
 }
 
 type OutboxMessage struct {
