@@ -46,6 +46,7 @@ test: ## Run every test with the race detector (see README: Testing)
 fuzz: ## Run each fuzz target for FUZZTIME (default 10s)
 	$(GO) test -run '^$$' -fuzz '^FuzzValidateKey$$' -fuzztime $(FUZZTIME) ./txn
 	$(GO) test -run '^$$' -fuzz '^FuzzCanonicalJSON$$' -fuzztime $(FUZZTIME) ./txn
+	$(GO) test -run '^$$' -fuzz '^FuzzParseKey$$' -fuzztime $(FUZZTIME) ./httpidem
 
 .PHONY: demo
 demo: ## Run the quickstart: exactly-once under concurrent retries and a resumed workflow

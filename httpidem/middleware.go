@@ -1,0 +1,339 @@
+package httpidem
+
+import (
+	"bytes"
+	"cmp"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"strconv"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/atomicphase/atomicphase/txn"
+)
+
+// Config configures the middleware. Scope is required; every other field
+// has a default.
+type Config struct {
+	// Scope returns the authenticated principal a request's key belongs to
+	// (account, user, tenant): keys are unique only within a scope, so one
+	// client never sees another's stored response. An error answers 401.
+	// Required.
+	Scope func(r *http.Request) (string, error)
+
+	// Required reports whether a request must carry an Idempotency-Key.
+	// GET, HEAD and OPTIONS never need one and are passed through whatever
+	// this says. Default: POST and PATCH.
+	Required func(r *http.Request) bool
+
+	// MaxBodyBytes is the largest request body accepted; a larger one is
+	// answered 413 before anything is stored. Default: 1 MiB.
+	MaxBodyBytes int64
+
+	// StoreHeaders are the response headers stored with a response and
+	// replayed with it; a keyed response carries only these, so the first
+	// answer and every replay are the same. Default: Content-Type and Location.
+	StoreHeaders []string
+
+	// Store reports whether a response with this status is the operation's
+	// terminal result (stored, replayed to retries) or a rejection before
+	// the operation executed (its writes rolled back, nothing stored, the
+	// response passed through so the client can fix and retry with the same
+	// key). Default: DefaultStore.
+	Store func(status int) bool
+
+	// Logger receives failures to answer. Default: slog.Default().
+	Logger *slog.Logger
+}
+
+// DefaultStore stores every response except the rejections a client is
+// expected to correct and retry: 400, 401, 403, 404, 405, 409, 413, 415,
+// 422 and 429. Successes, 402 (e.g. card declined) and 5xx the handler
+// chooses to return are stored and replayed.
+func DefaultStore(status int) bool {
+	switch status {
+	case 400, 401, 403, 404, 405, 409, 413, 415, 422, 429:
+		return false
+	}
+	return true
+}
+
+// Middleware runs requests under idempotency keys with a txn.Runner.
+type Middleware struct {
+	runner *txn.Runner
+	cfg    Config
+	stored map[string]bool
+}
+
+// New returns middleware that runs keyed requests with runner.
+func New(runner *txn.Runner, cfg *Config) (*Middleware, error) {
+	if runner == nil {
+		return nil, errors.New("httpidem: runner is nil")
+	}
+	if cfg == nil || cfg.Scope == nil {
+		return nil, ErrNoScope
+	}
+	if cfg.MaxBodyBytes < 0 {
+		return nil, errors.New("httpidem: MaxBodyBytes is negative")
+	}
+	c := *cfg
+	if c.Required == nil {
+		c.Required = func(r *http.Request) bool { return r.Method == http.MethodPost || r.Method == http.MethodPatch }
+	}
+	c.MaxBodyBytes = cmp.Or(c.MaxBodyBytes, 1<<20)
+	if c.StoreHeaders == nil {
+		c.StoreHeaders = []string{"Content-Type", "Location"}
+	}
+	if c.Store == nil {
+		c.Store = DefaultStore
+	}
+	c.Logger = cmp.Or(c.Logger, slog.Default())
+	m := &Middleware{runner: runner, cfg: c, stored: map[string]bool{}}
+	for _, h := range c.StoreHeaders {
+		m.stored[http.CanonicalHeaderKey(h)] = true
+	}
+	return m, nil
+}
+
+type txKey struct{}
+
+// Tx returns the transaction a handler wrapped by Middleware.Wrap runs in:
+// write through it so that the writes commit with the key and the response.
+// ok is false when the request runs without a key (e.g. GET).
+func Tx(ctx context.Context) (tx pgx.Tx, ok bool) {
+	tx, ok = ctx.Value(txKey{}).(pgx.Tx)
+	return tx, ok
+}
+
+// request is a keyed request, checked.
+type request struct {
+	key txn.Key
+}
+
+// prepare reads the key, scope and body. It answers the client itself and
+// returns false when the request cannot run; it returns a nil request when
+// it runs without a key.
+func (m *Middleware) prepare(w http.ResponseWriter, r *http.Request) (*request, bool) {
+	switch r.Method {
+	case http.MethodGet, http.MethodHead, http.MethodOptions:
+		return nil, true
+	}
+	raw := r.Header.Values(HeaderName)
+	if len(raw) == 0 {
+		if m.cfg.Required(r) {
+			problem(w, problemMissingKey, "This request needs an Idempotency-Key header.", 0)
+			return nil, false
+		}
+		return nil, true
+	}
+	if len(raw) > 1 {
+		problem(w, problemInvalidKey, "Send one Idempotency-Key header.", 0)
+		return nil, false
+	}
+	value, err := ParseKey(raw[0])
+	if err != nil {
+		problem(w, problemInvalidKey, err.Error(), 0)
+		return nil, false
+	}
+	scope, err := m.cfg.Scope(r)
+	if err != nil {
+		problem(w, problemUnauthorized, "The request's principal could not be established.", 0)
+		return nil, false
+	}
+	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, m.cfg.MaxBodyBytes))
+	if err != nil {
+		var tooLarge *http.MaxBytesError
+		if errors.As(err, &tooLarge) {
+			problem(w, problemTooLarge, fmt.Sprintf("The body exceeds %d bytes.", m.cfg.MaxBodyBytes), 0)
+		} else {
+			problem(w, problemBadRequest, "The body could not be read.", 0)
+		}
+		return nil, false
+	}
+	r.Body = io.NopCloser(bytes.NewReader(body))
+	path := r.URL.EscapedPath()
+	if r.URL.RawQuery != "" {
+		path += "?" + r.URL.RawQuery
+	}
+	return &request{key: txn.Key{Scope: scope, Value: value, Method: r.Method, Path: path, Params: body}}, true
+}
+
+// Wrap runs next under the request's idempotency key, in one transaction
+// with the key (see Tx). Requests without a key that need none pass through.
+func (m *Middleware) Wrap(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		req, ok := m.prepare(w, r)
+		if !ok {
+			return
+		}
+		if req == nil {
+			next.ServeHTTP(w, r)
+			return
+		}
+		var rejected *recorder
+		resp, err := m.runner.Run(r.Context(), req.key, func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+			rec := newRecorder()
+			next.ServeHTTP(rec, r.WithContext(context.WithValue(ctx, txKey{}, tx)))
+			if !m.cfg.Store(rec.status) {
+				rejected = rec
+				return txn.Response{}, errRejected
+			}
+			rejected = nil
+			return txn.Response{Status: rec.status, Header: m.storedHeader(rec.header), Body: rec.body.Bytes()}, nil
+		})
+		if errors.Is(err, errRejected) && rejected != nil {
+			rejected.writeTo(w)
+			return
+		}
+		m.answer(w, r, resp, err)
+	})
+}
+
+// errRejected rolls back a handler's transaction whose response is not stored.
+var errRejected = errors.New("httpidem: response not stored")
+
+// Workflow returns a handler that runs wf (registered in the runner's
+// registry) under the request's idempotency key, with the JSON body as the
+// workflow's params (Attempt.Params). The key is always required.
+func (m *Middleware) Workflow(wf *txn.Workflow) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		req, ok := m.prepare(w, r)
+		if !ok {
+			return
+		}
+		if req == nil {
+			problem(w, problemMissingKey, "This request needs an Idempotency-Key header.", 0)
+			return
+		}
+		resp, err := m.runner.RunWorkflow(r.Context(), req.key, wf)
+		m.answer(w, r, resp, err)
+	})
+}
+
+func (m *Middleware) storedHeader(h http.Header) http.Header {
+	out := http.Header{}
+	for k, v := range h {
+		if m.stored[k] {
+			out[k] = v
+		}
+	}
+	return out
+}
+
+// answer writes a stored or fresh response, or the problem for err.
+func (m *Middleware) answer(w http.ResponseWriter, r *http.Request, resp txn.Response, err error) {
+	if err == nil {
+		for k, v := range resp.Header {
+			w.Header()[k] = v
+		}
+		if resp.Replayed {
+			w.Header().Set(ReplayedHeader, "true")
+		}
+		w.WriteHeader(resp.Status)
+		_, _ = w.Write(resp.Body)
+		return
+	}
+	var kse *txn.KeyStateError
+	switch {
+	case errors.Is(err, txn.ErrKeyInUse):
+		retry := time.Second
+		if errors.As(err, &kse) {
+			retry = kse.RetryAfter
+		}
+		problem(w, problemInUse, "A request with this Idempotency-Key is being processed; retry later.", retry)
+	case errors.Is(err, txn.ErrKeyReused):
+		problem(w, problemReused, "This Idempotency-Key was used with a different request.", 0)
+	case errors.Is(err, txn.ErrRequestTooLarge):
+		problem(w, problemTooLarge, "The body is too large.", 0)
+	case errors.Is(err, txn.ErrInvalidRequest), errors.Is(err, txn.ErrInvalidKey):
+		problem(w, problemBadRequest, "The body must be JSON: "+err.Error(), 0)
+	case errors.Is(err, txn.ErrConflict), errors.Is(err, txn.ErrLeaseLost):
+		problem(w, problemConflict, "The request conflicted with concurrent work; retry with the same key.", time.Second)
+	default:
+		if !errors.Is(err, context.Canceled) {
+			m.cfg.Logger.ErrorContext(r.Context(), "idempotent request failed; the key stays resumable",
+				"method", r.Method, "path", r.URL.Path, "error", err)
+		}
+		problem(w, problemInternal, "The request could not be completed; retry with the same key.", 0)
+	}
+}
+
+// Problem types: stable URIs, one per case.
+const (
+	problemMissingKey   = "idempotency-key-missing"
+	problemInvalidKey   = "idempotency-key-invalid"
+	problemInUse        = "idempotency-key-in-use"
+	problemReused       = "idempotency-key-reused"
+	problemTooLarge     = "payload-too-large"
+	problemBadRequest   = "invalid-request"
+	problemUnauthorized = "unauthenticated"
+	problemConflict     = "conflict"
+	problemInternal     = "internal"
+)
+
+// ProblemTypePrefix prefixes each problem's type URI, e.g.
+// "urn:atomicphase:problem:idempotency-key-in-use".
+const ProblemTypePrefix = "urn:atomicphase:problem:"
+
+var problemStatus = map[string]int{
+	problemMissingKey: 400, problemInvalidKey: 400, problemInUse: 409, problemReused: 422,
+	problemTooLarge: 413, problemBadRequest: 400, problemUnauthorized: 401, problemConflict: 409, problemInternal: 500,
+}
+
+var problemTitle = map[string]string{
+	problemMissingKey: "Idempotency-Key is missing", problemInvalidKey: "Idempotency-Key is invalid",
+	problemInUse: "Idempotency-Key is in use", problemReused: "Idempotency-Key was reused",
+	problemTooLarge: "Payload too large", problemBadRequest: "Invalid request", problemUnauthorized: "Unauthenticated",
+	problemConflict: "Conflict", problemInternal: "Internal error",
+}
+
+// problem writes an RFC 9457 problem+json response.
+func problem(w http.ResponseWriter, kind, detail string, retryAfter time.Duration) {
+	status := problemStatus[kind]
+	body, _ := json.Marshal(map[string]any{
+		"type": ProblemTypePrefix + kind, "title": problemTitle[kind], "status": status, "detail": detail,
+	})
+	w.Header().Set("Content-Type", "application/problem+json")
+	if retryAfter > 0 {
+		w.Header().Set("Retry-After", strconv.Itoa(int((retryAfter+time.Second-1)/time.Second)))
+	}
+	w.WriteHeader(status)
+	_, _ = w.Write(body)
+}
+
+// recorder buffers a handler's response so it can be stored.
+type recorder struct {
+	header http.Header
+	status int
+	wrote  bool
+	body   bytes.Buffer
+}
+
+func newRecorder() *recorder { return &recorder{header: http.Header{}, status: http.StatusOK} }
+
+func (r *recorder) Header() http.Header { return r.header }
+
+func (r *recorder) WriteHeader(status int) {
+	if !r.wrote {
+		r.status, r.wrote = status, true
+	}
+}
+
+func (r *recorder) Write(b []byte) (int, error) {
+	r.wrote = true
+	return r.body.Write(b)
+}
+
+func (r *recorder) writeTo(w http.ResponseWriter) {
+	for k, v := range r.header {
+		w.Header()[k] = v
+	}
+	w.WriteHeader(r.status)
+	_, _ = w.Write(r.body.Bytes())
+}
