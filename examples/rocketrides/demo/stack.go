@@ -1,0 +1,163 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"net/http"
+	"net/url"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+)
+
+// stack runs the provider and the service as real processes.
+type stack struct {
+	dir          string
+	serviceBin   string
+	providerBin  string
+	dbURL        string // scoped to the run's schema
+	natsURL      string
+	stream       string
+	prefix       string
+	serviceAddr  string
+	providerAddr string
+	serviceArgs  []string
+	providerArgs []string
+	logs         *os.File
+	service      *exec.Cmd
+	provider     *exec.Cmd
+}
+
+// buildBinaries compiles the service and the provider into dir.
+func buildBinaries(ctx context.Context, dir string) (service, provider string, err error) {
+	service, provider = filepath.Join(dir, "rocketrides"), filepath.Join(dir, "provider")
+	for bin, pkg := range map[string]string{
+		service:  "github.com/atomicphase/atomicphase/examples/rocketrides",
+		provider: "github.com/atomicphase/atomicphase/examples/rocketrides/provider",
+	} {
+		cmd := exec.CommandContext(ctx, "go", "build", "-o", bin, pkg)
+		if out, err := cmd.CombinedOutput(); err != nil {
+			return "", "", fmt.Errorf("build %s: %w\n%s", pkg, err, out)
+		}
+	}
+	return service, provider, nil
+}
+
+// withSearchPath returns dbURL with search_path set to schema for every
+// connection, in URL or keyword/value form.
+func withSearchPath(dbURL, schema string) (string, error) {
+	if strings.Contains(dbURL, "://") {
+		u, err := url.Parse(dbURL)
+		if err != nil {
+			return "", err
+		}
+		q := u.Query()
+		q.Set("options", "-csearch_path="+schema)
+		u.RawQuery = q.Encode()
+		return u.String(), nil
+	}
+	return dbURL + " options='-csearch_path=" + schema + "'", nil
+}
+
+func freeAddr() (string, error) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return "", err
+	}
+	defer ln.Close()
+	return ln.Addr().String(), nil
+}
+
+func (s *stack) startProvider(ctx context.Context) error {
+	args := append([]string{"-addr", s.providerAddr, "-database-url", s.dbURL}, s.providerArgs...)
+	s.provider = exec.Command(s.providerBin, args...)
+	s.provider.Stdout, s.provider.Stderr = s.logs, s.logs
+	if err := s.provider.Start(); err != nil {
+		return err
+	}
+	return waitHealthy(ctx, "http://"+s.providerAddr+"/healthz")
+}
+
+func (s *stack) startService(ctx context.Context, extra ...string) error {
+	args := append([]string{"-addr", s.serviceAddr, "-database-url", s.dbURL,
+		"-provider-url", "http://" + s.providerAddr, "-nats-url", s.natsURL,
+		"-stream", s.stream, "-subject-prefix", s.prefix}, s.serviceArgs...)
+	args = append(args, extra...)
+	s.service = exec.Command(s.serviceBin, args...)
+	s.service.Stdout, s.service.Stderr = s.logs, s.logs
+	if err := s.service.Start(); err != nil {
+		return err
+	}
+	return waitHealthy(ctx, "http://"+s.serviceAddr+"/healthz")
+}
+
+// killService ends the service with SIGKILL: no deferred code, no graceful
+// shutdown, like a crashed or evicted process.
+func (s *stack) killService() error {
+	if s.service == nil || s.service.Process == nil {
+		return nil
+	}
+	_ = s.service.Process.Signal(syscall.SIGKILL)
+	_ = s.service.Wait()
+	s.service = nil
+	return nil
+}
+
+// waitService waits for a service that kills itself (fault injection) to exit.
+func (s *stack) waitService(timeout time.Duration) error {
+	done := make(chan error, 1)
+	go func() { done <- s.service.Wait() }()
+	select {
+	case <-done:
+		s.service = nil
+		return nil
+	case <-time.After(timeout):
+		return fmt.Errorf("service did not exit within %v", timeout)
+	}
+}
+
+func (s *stack) stop() {
+	for _, c := range []*exec.Cmd{s.service, s.provider} {
+		if c != nil && c.Process != nil {
+			_ = c.Process.Signal(syscall.SIGTERM)
+			done := make(chan struct{})
+			go func() { _ = c.Wait(); close(done) }()
+			select {
+			case <-done:
+			case <-time.After(10 * time.Second):
+				_ = c.Process.Kill()
+				<-done
+			}
+		}
+	}
+	s.service, s.provider = nil, nil
+}
+
+func waitHealthy(ctx context.Context, u string) error {
+	deadline := time.Now().Add(60 * time.Second)
+	for time.Now().Before(deadline) {
+		req, _ := http.NewRequestWithContext(ctx, http.MethodGet, u, nil)
+		resp, err := http.DefaultClient.Do(req)
+		if err == nil {
+			resp.Body.Close()
+			if resp.StatusCode == 200 {
+				return nil
+			}
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+	return fmt.Errorf("%s did not become healthy", u)
+}
+
+func uniqueName(prefix string) string {
+	return prefix + strconv.FormatInt(time.Now().UnixNano()%1e12, 36)
+}
