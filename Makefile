@@ -49,5 +49,9 @@ fuzz: ## Run each fuzz target for FUZZTIME (default 10s)
 	$(GO) test -run '^$$' -fuzz '^FuzzParseKey$$' -fuzztime $(FUZZTIME) ./httpidem
 
 .PHONY: demo
-demo: ## Run the quickstart: exactly-once under concurrent retries and a resumed workflow
+demo: ## The main job: rocketrides under load, faults and SIGKILLs, with invariant checks
+	$(GO) run ./examples/rocketrides/demo
+
+.PHONY: quickstart
+quickstart: ## The 30-second tour: one key, 23 requests, one execution; a resumed workflow
 	$(GO) run ./examples/quickstart
