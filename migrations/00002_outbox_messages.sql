@@ -3,10 +3,12 @@
 -- the phase committed. The relay publishes them after commit.
 CREATE TABLE outbox_messages (
     id                 bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-    -- Checked at commit: a single-phase run stages messages before its key
-    -- row is inserted, in the same transaction.
-    idempotency_key_id bigint REFERENCES idempotency_keys (id) ON DELETE SET NULL
-                              DEFERRABLE INITIALLY DEFERRED,
+    -- The operation that wrote the message. A plain reference rather than a
+    -- foreign key: a foreign-key check reads idempotency_keys' primary-key
+    -- index inside every SERIALIZABLE phase that stages a message, and those
+    -- reads make unrelated operations conflict. The cleaner sets it to NULL
+    -- when it deletes the key, as ON DELETE SET NULL would.
+    idempotency_key_id bigint,
     topic              text        NOT NULL,
     ordering_key       text,
     payload            bytea       NOT NULL,
@@ -39,7 +41,7 @@ CREATE INDEX outbox_messages_done_at_idx
     ON outbox_messages ((coalesce(published_at, dead_at)))
     WHERE published_at IS NOT NULL OR dead_at IS NOT NULL;
 
--- Serves ON DELETE SET NULL when cleanup deletes keys.
+-- Serves unlinking messages when cleanup deletes their keys.
 CREATE INDEX outbox_messages_idempotency_key_id_idx
     ON outbox_messages (idempotency_key_id)
     WHERE idempotency_key_id IS NOT NULL;

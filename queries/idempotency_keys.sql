@@ -19,47 +19,32 @@ SELECT id, fingerprint, request_method, request_path, request_params, workflow,
 FROM idempotency_keys
 WHERE scope = @scope AND key = @key;
 
--- name: ReserveKey :one
--- Starts a single-phase run: takes a transaction-scoped advisory lock on
--- (scope, key), without waiting, and reserves the row's id. An id of 0 means
--- another attempt holds the key in an uncommitted transaction. It reads no
--- table, so it takes no SERIALIZABLE predicate lock.
-SELECT coalesce(CASE WHEN pg_try_advisory_xact_lock(
-                         hashtextextended(length(@scope::text)::text || ':' || @scope::text || @key::text, 7340033))
-                     THEN nextval(pg_get_serial_sequence('idempotency_keys', 'id'))
-                END, 0)::bigint AS id;
-
--- name: InsertFinishedKey :exec
--- Ends a single-phase run: the key row, already finished with its response,
--- inserted in the same transaction as the run's writes. A plain INSERT (no
--- ON CONFLICT, which would read the unique index under a predicate lock); a
--- unique violation means a concurrent attempt committed the key first.
-INSERT INTO idempotency_keys (
-    id, scope, key, fingerprint, request_method, request_path, request_params,
-    workflow, recovery_point, phase_results, status, attempts, created_at,
-    last_run_at, finished_at, response_status, response_headers, response_body
-) VALUES (
-    @id, @scope, @key, @fingerprint, @request_method, @request_path, @request_params,
-    '', 'finished', '{}'::jsonb, 'finished', 1, now(),
-    now(), now(), @response_status, @response_headers, @response_body
-);
-
 -- name: InsertKey :one
--- Creates a running workflow key holding a lease, taking the same advisory
--- lock as ReserveKey first, so that a concurrent attempt whose insert is
--- uncommitted makes this return no row at once instead of waiting on the
--- unique index. Runs in its own (not SERIALIZABLE) transaction.
+-- Creates a running key, taking a transaction-scoped advisory lock on
+-- (scope, key) first, without waiting, so that a concurrent attempt whose
+-- insert is uncommitted makes this return no row at once instead of waiting
+-- on the unique index. The lock's hash is seeded with the table's oid, so
+-- installations in other schemas of the same database never share a lock.
+-- ON CONFLICT's check reads the unique index with a dirty snapshot, which
+-- takes no SERIALIZABLE predicate lock; in a SERIALIZABLE single-phase run,
+-- a conflicting row committed after the transaction's snapshot raises a
+-- serialization failure, so the run is retried (and replays) before its
+-- function ever runs. A workflow key holds a lease from the start; a
+-- single-phase key (NULL token) is invisible to others until it commits,
+-- finished.
 INSERT INTO idempotency_keys (
     scope, key, fingerprint, request_method, request_path, request_params,
     workflow, recovery_point, phase_results, status, lease_token, leased_until,
     attempts, created_at, last_run_at
 )
 SELECT @scope, @key, @fingerprint, @request_method, @request_path, @request_params,
-       @workflow, 'started', '{}'::jsonb, 'running', @lease_token::uuid,
-       now() + make_interval(secs => @lease_seconds::float8),
+       @workflow, 'started', '{}'::jsonb, 'running', sqlc.narg(lease_token)::uuid,
+       CASE WHEN sqlc.narg(lease_token)::uuid IS NOT NULL
+            THEN now() + make_interval(secs => @lease_seconds::float8) END,
        1, now(), now()
 WHERE pg_try_advisory_xact_lock(
-    hashtextextended(length(@scope::text)::text || ':' || @scope::text || @key::text, 7340033))
+    hashtextextended(length(@scope::text)::text || ':' || @scope::text || @key::text,
+                    'idempotency_keys'::regclass::oid::bigint))
 ON CONFLICT (scope, key) DO NOTHING
 RETURNING id, ctid;
 
@@ -107,7 +92,8 @@ SELECT ctid FROM idempotency_keys
 WHERE id = @id AND lease_token = @lease_token AND status = 'running';
 
 -- name: FinishKey :one
--- Stores the terminal response and releases the lease.
+-- Stores the terminal response and releases the lease (a single-phase run
+-- has no lease: its token is NULL).
 UPDATE idempotency_keys
 SET status = 'finished',
     recovery_point = @recovery_point,
@@ -118,7 +104,8 @@ SET status = 'finished',
     last_run_at = now(),
     lease_token = NULL,
     leased_until = NULL
-WHERE ctid = @tid AND id = @id AND lease_token = @lease_token AND status = 'running'
+WHERE ctid = @tid AND id = @id AND lease_token IS NOT DISTINCT FROM sqlc.narg(lease_token)::uuid
+  AND status = 'running'
 RETURNING ctid;
 
 -- name: ReleaseKey :execrows

@@ -287,3 +287,31 @@ func TestUnrelatedKeysDoNotConflict(t *testing.T) {
 	require.Equal(t, uint64(640), s.Executed)
 	t.Logf("serialization retries over 640 operations: %d", s.Retries)
 }
+
+// The same scope and key in another schema (another installation in the
+// same database) is a different operation, never "in use".
+func TestSameKeyInAnotherSchemaIsIndependent(t *testing.T) {
+	t.Parallel()
+	a, b := newEnv(t, nil), newEnv(t, nil)
+	ctx := ctxT(t)
+	entered, release := make(chan struct{}), make(chan struct{})
+	done := make(chan error, 1)
+	go func() {
+		_, err := a.runner.Run(ctx, chargeKey("shared", 1), func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+			close(entered)
+			<-release
+			return txn.Response{Status: 201}, nil
+		})
+		done <- err
+	}()
+	<-entered
+	var calls atomic.Int64
+	resp, err := b.runner.Run(ctx, chargeKey("shared", 1), insertCharge(&calls, "c", 1))
+	require.NoError(t, err, "not blocked by the other schema's in-flight key")
+	require.Equal(t, 201, resp.Status)
+	f := newRideFlow(t, b.reg, "ride")
+	_, err = b.runner.RunWorkflow(ctx, txn.Key{Scope: "acct_1", Value: "shared", Method: "POST", Path: "/rides", Params: []byte(`{"amount": 1}`)}, f.wf)
+	require.ErrorIs(t, err, txn.ErrKeyReused, "same schema, other request: reuse, decided by the row")
+	close(release)
+	require.NoError(t, <-done)
+}

@@ -233,14 +233,17 @@ func (r *Runner) runSingle(ctx context.Context, req request, fn Func) (resp Resp
 		}
 	}()
 	q := r.q.WithTx(tx)
-	id, err := q.ReserveKey(ctx, db.ReserveKeyParams{Scope: req.key.Scope, Key: req.key.Value})
+	ins, err := q.InsertKey(ctx, db.InsertKeyParams{
+		Scope: req.key.Scope, Key: req.key.Value, Fingerprint: req.fingerprint,
+		RequestMethod: req.key.Method, RequestPath: req.key.Path, RequestParams: req.params,
+	})
+	if errors.Is(err, pgx.ErrNoRows) {
+		return Response{}, errRaced // held by an uncommitted attempt, or committed since our lookup
+	}
 	if err != nil {
-		return Response{}, fmt.Errorf("reserve key: %w", err)
+		return Response{}, fmt.Errorf("insert key: %w", err)
 	}
-	if id == 0 {
-		return Response{}, errRaced // held by an uncommitted attempt
-	}
-	resp, err = callPhase(phasectx.WithKeyID(ctx, id), tx, fn)
+	resp, err = callPhase(phasectx.WithKeyID(ctx, ins.ID), tx, fn)
 	if err != nil {
 		return Response{}, err
 	}
@@ -251,16 +254,13 @@ func (r *Runner) runSingle(ctx context.Context, req request, fn Func) (resp Resp
 	if err != nil {
 		return Response{}, err
 	}
-	err = q.InsertFinishedKey(ctx, db.InsertFinishedKeyParams{
-		ID: id, Scope: req.key.Scope, Key: req.key.Value, Fingerprint: req.fingerprint,
-		RequestMethod: req.key.Method, RequestPath: req.key.Path, RequestParams: req.params,
+	// By ctid: a TID scan takes no predicate lock on shared index pages.
+	_, err = q.FinishKey(ctx, db.FinishKeyParams{
+		Tid: ins.Ctid, ID: ins.ID, RecoveryPoint: pointFinished,
 		ResponseStatus: int4(resp.Status), ResponseHeaders: header, ResponseBody: resp.Body,
 	})
-	if pgerr.IsUniqueViolation(err) {
-		return Response{}, errRaced // committed by another attempt since our lookup
-	}
 	if err != nil {
-		return Response{}, fmt.Errorf("store key and response: %w", err)
+		return Response{}, fmt.Errorf("store response: %w", err)
 	}
 	if err := tx.Commit(ctx); err != nil {
 		return Response{}, fmt.Errorf("commit: %w", err)

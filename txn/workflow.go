@@ -429,7 +429,7 @@ func (r *Runner) acquire(ctx context.Context, req request, workflow string) (*At
 		ins, err = r.q.InsertKey(ctx, db.InsertKeyParams{
 			Scope: req.key.Scope, Key: req.key.Value, Fingerprint: req.fingerprint,
 			RequestMethod: req.key.Method, RequestPath: req.key.Path, RequestParams: req.params,
-			Workflow: workflow, LeaseToken: token, LeaseSeconds: r.cfg.LeaseDuration.Seconds(),
+			Workflow: workflow, LeaseToken: uuid.NullUUID{UUID: token, Valid: true}, LeaseSeconds: r.cfg.LeaseDuration.Seconds(),
 		})
 		if errors.Is(err, pgx.ErrNoRows) {
 			// Inserted concurrently: committed (look again) or in flight.

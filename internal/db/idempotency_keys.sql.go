@@ -90,7 +90,8 @@ SET status = 'finished',
     last_run_at = now(),
     lease_token = NULL,
     leased_until = NULL
-WHERE ctid = $5 AND id = $6 AND lease_token = $7 AND status = 'running'
+WHERE ctid = $5 AND id = $6 AND lease_token IS NOT DISTINCT FROM $7::uuid
+  AND status = 'running'
 RETURNING ctid
 `
 
@@ -104,7 +105,8 @@ type FinishKeyParams struct {
 	LeaseToken      uuid.NullUUID
 }
 
-// Stores the terminal response and releases the lease.
+// Stores the terminal response and releases the lease (a single-phase run
+// has no lease: its token is NULL).
 func (q *Queries) FinishKey(ctx context.Context, arg FinishKeyParams) (pgtype.TID, error) {
 	row := q.db.QueryRow(ctx, finishKey,
 		arg.RecoveryPoint,
@@ -120,51 +122,6 @@ func (q *Queries) FinishKey(ctx context.Context, arg FinishKeyParams) (pgtype.TI
 	return ctid, err
 }
 
-const insertFinishedKey = `-- name: InsertFinishedKey :exec
-INSERT INTO idempotency_keys (
-    id, scope, key, fingerprint, request_method, request_path, request_params,
-    workflow, recovery_point, phase_results, status, attempts, created_at,
-    last_run_at, finished_at, response_status, response_headers, response_body
-) VALUES (
-    $1, $2, $3, $4, $5, $6, $7,
-    '', 'finished', '{}'::jsonb, 'finished', 1, now(),
-    now(), now(), $8, $9, $10
-)
-`
-
-type InsertFinishedKeyParams struct {
-	ID              int64
-	Scope           string
-	Key             string
-	Fingerprint     []byte
-	RequestMethod   string
-	RequestPath     string
-	RequestParams   []byte
-	ResponseStatus  pgtype.Int4
-	ResponseHeaders []byte
-	ResponseBody    []byte
-}
-
-// Ends a single-phase run: the key row, already finished with its response,
-// inserted in the same transaction as the run's writes. A plain INSERT (no
-// ON CONFLICT, which would read the unique index under a predicate lock); a
-// unique violation means a concurrent attempt committed the key first.
-func (q *Queries) InsertFinishedKey(ctx context.Context, arg InsertFinishedKeyParams) error {
-	_, err := q.db.Exec(ctx, insertFinishedKey,
-		arg.ID,
-		arg.Scope,
-		arg.Key,
-		arg.Fingerprint,
-		arg.RequestMethod,
-		arg.RequestPath,
-		arg.RequestParams,
-		arg.ResponseStatus,
-		arg.ResponseHeaders,
-		arg.ResponseBody,
-	)
-	return err
-}
-
 const insertKey = `-- name: InsertKey :one
 INSERT INTO idempotency_keys (
     scope, key, fingerprint, request_method, request_path, request_params,
@@ -173,10 +130,12 @@ INSERT INTO idempotency_keys (
 )
 SELECT $1, $2, $3, $4, $5, $6,
        $7, 'started', '{}'::jsonb, 'running', $8::uuid,
-       now() + make_interval(secs => $9::float8),
+       CASE WHEN $8::uuid IS NOT NULL
+            THEN now() + make_interval(secs => $9::float8) END,
        1, now(), now()
 WHERE pg_try_advisory_xact_lock(
-    hashtextextended(length($1::text)::text || ':' || $1::text || $2::text, 7340033))
+    hashtextextended(length($1::text)::text || ':' || $1::text || $2::text,
+                    'idempotency_keys'::regclass::oid::bigint))
 ON CONFLICT (scope, key) DO NOTHING
 RETURNING id, ctid
 `
@@ -189,7 +148,7 @@ type InsertKeyParams struct {
 	RequestPath   string
 	RequestParams []byte
 	Workflow      string
-	LeaseToken    uuid.UUID
+	LeaseToken    uuid.NullUUID
 	LeaseSeconds  float64
 }
 
@@ -198,10 +157,18 @@ type InsertKeyRow struct {
 	Ctid pgtype.TID
 }
 
-// Creates a running workflow key holding a lease, taking the same advisory
-// lock as ReserveKey first, so that a concurrent attempt whose insert is
-// uncommitted makes this return no row at once instead of waiting on the
-// unique index. Runs in its own (not SERIALIZABLE) transaction.
+// Creates a running key, taking a transaction-scoped advisory lock on
+// (scope, key) first, without waiting, so that a concurrent attempt whose
+// insert is uncommitted makes this return no row at once instead of waiting
+// on the unique index. The lock's hash is seeded with the table's oid, so
+// installations in other schemas of the same database never share a lock.
+// ON CONFLICT's check reads the unique index with a dirty snapshot, which
+// takes no SERIALIZABLE predicate lock; in a SERIALIZABLE single-phase run,
+// a conflicting row committed after the transaction's snapshot raises a
+// serialization failure, so the run is retried (and replays) before its
+// function ever runs. A workflow key holds a lease from the start; a
+// single-phase key (NULL token) is invisible to others until it commits,
+// finished.
 func (q *Queries) InsertKey(ctx context.Context, arg InsertKeyParams) (InsertKeyRow, error) {
 	row := q.db.QueryRow(ctx, insertKey,
 		arg.Scope,
@@ -366,29 +333,6 @@ func (q *Queries) ReleaseKey(ctx context.Context, arg ReleaseKeyParams) (int64, 
 		return 0, err
 	}
 	return result.RowsAffected(), nil
-}
-
-const reserveKey = `-- name: ReserveKey :one
-SELECT coalesce(CASE WHEN pg_try_advisory_xact_lock(
-                         hashtextextended(length($1::text)::text || ':' || $1::text || $2::text, 7340033))
-                     THEN nextval(pg_get_serial_sequence('idempotency_keys', 'id'))
-                END, 0)::bigint AS id
-`
-
-type ReserveKeyParams struct {
-	Scope string
-	Key   string
-}
-
-// Starts a single-phase run: takes a transaction-scoped advisory lock on
-// (scope, key), without waiting, and reserves the row's id. An id of 0 means
-// another attempt holds the key in an uncommitted transaction. It reads no
-// table, so it takes no SERIALIZABLE predicate lock.
-func (q *Queries) ReserveKey(ctx context.Context, arg ReserveKeyParams) (int64, error) {
-	row := q.db.QueryRow(ctx, reserveKey, arg.Scope, arg.Key)
-	var id int64
-	err := row.Scan(&id)
-	return id, err
 }
 
 const takeOverKey = `-- name: TakeOverKey :one

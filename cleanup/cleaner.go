@@ -1,0 +1,285 @@
+package cleanup
+
+import (
+	"cmp"
+	"context"
+	"fmt"
+	"log/slog"
+	"sync"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/atomicphase/atomicphase/internal/db"
+)
+
+// The expiry window of idempotency keys: Config.TTL must lie within it.
+const (
+	// MinTTL is the shortest TTL: a client retrying for a day still gets
+	// the stored response.
+	MinTTL = 24 * time.Hour
+	// MaxTTL is the longest TTL.
+	MaxTTL = 7 * 24 * time.Hour
+)
+
+// lockClass is the first half of the cleanup advisory lock's name ("apcl");
+// the second is the idempotency_keys table's oid.
+const lockClass int32 = 0x6170636c
+
+// Config configures a Cleaner. The zero value is usable; every field states
+// its default.
+type Config struct {
+	// Logger receives round summaries and unlock failures, with snake_case
+	// attributes. Default: slog.Default().
+	Logger *slog.Logger
+
+	// TTL is how long after it finished a key is kept (and replayed to
+	// retries) before it may be deleted. It must be from MinTTL (24 hours)
+	// to MaxTTL (7 days): the published expiry policy. Default: 24 hours.
+	TTL time.Duration
+
+	// OutboxRetention is how long after it was published or dead-lettered
+	// an outbox message is kept before it may be deleted. Default: 7 days.
+	OutboxRetention time.Duration
+
+	// BatchSize is the most rows one delete transaction removes, at most
+	// 100,000. Default: 1000.
+	BatchSize int
+
+	// Interval is the time between the starts of two rounds run by Start.
+	// Default: 5 minutes.
+	Interval time.Duration
+}
+
+// Report says what one round did.
+type Report struct {
+	// KeysDeleted counts idempotency keys deleted.
+	KeysDeleted int64
+	// OutboxDeleted counts outbox messages deleted.
+	OutboxDeleted int64
+	// Batches counts the delete transactions that removed at least one row;
+	// none removed more than Config.BatchSize.
+	Batches int
+	// Skipped is true when another cleaner held the cleanup lock, so this
+	// round deleted nothing.
+	Skipped bool
+}
+
+// Cleaner deletes expired keys and outbox messages. It is safe for
+// concurrent use; across processes, one cleaner deletes at a time.
+type Cleaner struct {
+	pool *pgxpool.Pool
+	cfg  Config
+	log  *slog.Logger
+
+	mu     sync.Mutex
+	cancel context.CancelFunc
+	done   chan struct{}
+}
+
+// New returns a Cleaner over pool. cfg may be nil. Invalid values give an
+// error wrapping ErrInvalidConfig.
+func New(pool *pgxpool.Pool, cfg *Config) (*Cleaner, error) {
+	if pool == nil {
+		return nil, fmt.Errorf("cleanup: new: %w: pool is nil", ErrInvalidConfig)
+	}
+	if cfg == nil {
+		cfg = &Config{}
+	}
+	c := *cfg
+	if c.TTL < 0 || c.OutboxRetention < 0 || c.BatchSize < 0 || c.Interval < 0 {
+		return nil, fmt.Errorf("cleanup: new: %w: negative durations and counts are not allowed", ErrInvalidConfig)
+	}
+	c.Logger = cmp.Or(c.Logger, slog.Default())
+	c.TTL = cmp.Or(c.TTL, MinTTL)
+	c.OutboxRetention = cmp.Or(c.OutboxRetention, 7*24*time.Hour)
+	c.BatchSize = cmp.Or(c.BatchSize, 1000)
+	c.Interval = cmp.Or(c.Interval, 5*time.Minute)
+	switch {
+	case c.TTL < MinTTL || c.TTL > MaxTTL:
+		return nil, fmt.Errorf("cleanup: new: %w: TTL %v is outside the expiry window of %v to %v",
+			ErrInvalidConfig, c.TTL, MinTTL, MaxTTL)
+	case c.BatchSize > 100000:
+		return nil, fmt.Errorf("cleanup: new: %w: BatchSize %d is larger than 100000", ErrInvalidConfig, c.BatchSize)
+	}
+	return &Cleaner{pool: pool, cfg: c, log: c.Logger}, nil
+}
+
+// RunOnce runs one round: unless another cleaner holds the cleanup lock
+// (then it returns a report with Skipped set), it deletes expired keys and
+// then expired outbox messages, a batch per transaction, until a batch comes
+// back short. If ctx ends, the round stops after the batch in flight (which
+// gets up to 5 seconds to commit, else is rolled back), and the error wraps
+// ctx's error; the report counts exactly the rows deleted.
+func (c *Cleaner) RunOnce(ctx context.Context) (rep Report, err error) {
+	conn, err := c.pool.Acquire(ctx)
+	if err != nil {
+		return rep, wrap(ctx, "acquire connection", err)
+	}
+	defer conn.Release()
+	q := db.New(conn)
+	locked, err := q.TryLockCleanup(ctx, lockClass)
+	if err != nil {
+		return rep, wrap(ctx, "take cleanup lock", err)
+	}
+	if !locked {
+		return Report{Skipped: true}, nil
+	}
+	defer func() {
+		uctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+		defer cancel()
+		if ok, err := q.UnlockCleanup(uctx, lockClass); err != nil || !ok {
+			// Never hand a session that may still hold the lock back to the pool.
+			if err != nil && !conn.Conn().IsClosed() {
+				c.log.WarnContext(ctx, "cleanup lock release failed; closing its connection", "error", err)
+			}
+			_ = conn.Conn().Close(uctx)
+		}
+	}()
+
+	for {
+		if err := ctx.Err(); err != nil {
+			return rep, wrap(ctx, "delete expired keys", err)
+		}
+		n, err := inBatch(ctx, func(ctx context.Context) (int64, error) {
+			return q.DeleteExpiredKeys(ctx, db.DeleteExpiredKeysParams{
+				TtlSeconds: c.cfg.TTL.Seconds(), BatchSize: int32(c.cfg.BatchSize),
+			})
+		})
+		if err != nil {
+			return rep, wrap(ctx, "delete expired keys", err)
+		}
+		rep.KeysDeleted += n
+		if n > 0 {
+			rep.Batches++
+		}
+		if n < int64(c.cfg.BatchSize) {
+			break
+		}
+	}
+	for {
+		if err := ctx.Err(); err != nil {
+			return rep, wrap(ctx, "delete expired outbox messages", err)
+		}
+		n, err := inBatch(ctx, func(ctx context.Context) (int64, error) {
+			return q.DeleteExpiredOutboxMessages(ctx, db.DeleteExpiredOutboxMessagesParams{
+				RetentionSeconds: c.cfg.OutboxRetention.Seconds(), BatchSize: int32(c.cfg.BatchSize),
+			})
+		})
+		if err != nil {
+			return rep, wrap(ctx, "delete expired outbox messages", err)
+		}
+		rep.OutboxDeleted += n
+		if n > 0 {
+			rep.Batches++
+		}
+		if n < int64(c.cfg.BatchSize) {
+			break
+		}
+	}
+	return rep, nil
+}
+
+// batchGrace is how long a batch in flight when the round's context ends
+// may take to finish before it is cancelled (and rolled back).
+const batchGrace = 5 * time.Second
+
+// inBatch runs one batch statement on a context that outlives ctx by up to
+// batchGrace, so that a stop lets the batch in flight finish and the report
+// counts exactly what was committed; a cancelled statement would race its
+// own commit acknowledgement.
+func inBatch(ctx context.Context, fn func(context.Context) (int64, error)) (int64, error) {
+	bctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
+	defer cancel()
+	stop := context.AfterFunc(ctx, func() {
+		t := time.NewTimer(batchGrace)
+		defer t.Stop()
+		select {
+		case <-t.C:
+			cancel()
+		case <-bctx.Done():
+		}
+	})
+	defer stop()
+	return fn(bctx)
+}
+
+// DryRun reports what a round would delete now, and changes nothing
+// (Batches stays zero).
+func (c *Cleaner) DryRun(ctx context.Context) (Report, error) {
+	n, err := db.New(c.pool).CountExpired(ctx, db.CountExpiredParams{
+		TtlSeconds: c.cfg.TTL.Seconds(), RetentionSeconds: c.cfg.OutboxRetention.Seconds(),
+	})
+	if err != nil {
+		return Report{}, wrap(ctx, "count expired rows", err)
+	}
+	return Report{KeysDeleted: n.Keys, OutboxDeleted: n.OutboxMessages}, nil
+}
+
+// wrap names op in err, and reports ctx's error instead when ctx ended, so
+// that callers can tell a stop from a failure with errors.Is.
+func wrap(ctx context.Context, op string, err error) error {
+	if cerr := ctx.Err(); cerr != nil {
+		return fmt.Errorf("cleanup: %s: %w", op, cerr)
+	}
+	return fmt.Errorf("cleanup: %s: %w", op, err)
+}
+
+// Start runs a round at once and then every Config.Interval, in a goroutine,
+// until ctx ends or Stop is called. Each round's outcome is logged; a
+// round's error does not stop the loop. Start on a running Cleaner returns
+// ErrAlreadyStarted.
+func (c *Cleaner) Start(ctx context.Context) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.cancel != nil {
+		return fmt.Errorf("cleanup: start: %w", ErrAlreadyStarted)
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	done := make(chan struct{})
+	c.cancel, c.done = cancel, done
+	go c.loop(ctx, done)
+	return nil
+}
+
+// Stop ends the loop Start began, stopping the round in progress after its
+// batch in flight, and returns when the loop has ended. It does nothing if not started.
+func (c *Cleaner) Stop() {
+	c.mu.Lock()
+	cancel, done := c.cancel, c.done
+	c.cancel, c.done = nil, nil
+	c.mu.Unlock()
+	if cancel == nil {
+		return
+	}
+	cancel()
+	<-done
+}
+
+func (c *Cleaner) loop(ctx context.Context, done chan<- struct{}) {
+	defer close(done)
+	t := time.NewTicker(c.cfg.Interval)
+	defer t.Stop()
+	for {
+		rep, err := c.RunOnce(ctx)
+		switch {
+		case err != nil && ctx.Err() != nil:
+			return
+		case err != nil:
+			c.log.ErrorContext(ctx, "cleanup round failed", "error", err,
+				"keys_deleted", rep.KeysDeleted, "outbox_deleted", rep.OutboxDeleted)
+		default:
+			level := slog.LevelInfo
+			if rep.KeysDeleted == 0 && rep.OutboxDeleted == 0 {
+				level = slog.LevelDebug
+			}
+			c.log.Log(ctx, level, "cleanup round", "keys_deleted", rep.KeysDeleted,
+				"outbox_deleted", rep.OutboxDeleted, "batches", rep.Batches, "skipped", rep.Skipped)
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+	}
+}

@@ -1,0 +1,326 @@
+package cleanup_test
+
+import (
+	"context"
+	"log/slog"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+
+	"github.com/atomicphase/atomicphase/cleanup"
+	"github.com/atomicphase/atomicphase/internal/pgtest"
+	"github.com/atomicphase/atomicphase/txn"
+)
+
+func TestMain(m *testing.M) { pgtest.Main(m) }
+
+var quiet = slog.New(slog.DiscardHandler)
+
+func newCleaner(t *testing.T, d *pgtest.DB, cfg cleanup.Config) *cleanup.Cleaner {
+	t.Helper()
+	cfg.Logger = quiet
+	c, err := cleanup.New(d.Pool, &cfg)
+	require.NoError(t, err)
+	return c
+}
+
+func exec(t *testing.T, d *pgtest.DB, sql string, args ...any) {
+	t.Helper()
+	_, err := d.Pool.Exec(context.Background(), sql, args...)
+	require.NoError(t, err)
+}
+
+// seed inserts n keys of mixed status and age, and n/5 outbox messages of
+// mixed state and age, and records in expected_gone which of them a cleaner
+// with the default TTL (24 h) and retention (7 days) must delete.
+//
+// Keys: i%10 in 0-1 running, 2-6 finished, 7-9 failed; terminal keys
+// finished (i/10%5)*13 hours ago (0, 13, 26, 39 or 52 h), running keys
+// created and last run (i/10%5)*3 days ago. Outbox: published, dead or pending,
+// (i%4)*3 days ago.
+func seed(t *testing.T, d *pgtest.DB, n int) (eligibleKeys, eligibleOutbox int) {
+	t.Helper()
+	exec(t, d, `
+		INSERT INTO idempotency_keys (scope, key, fingerprint, request_method, request_path, workflow,
+			recovery_point, status, attempts, created_at, last_run_at, finished_at,
+			response_status, response_headers, response_body, failure_reason)
+		SELECT 'seed', 'k' || i, decode(repeat('ab', 32), 'hex'), 'POST', '/orders', '',
+			CASE WHEN i % 10 < 2 THEN 'started' ELSE 'finished' END,
+			CASE WHEN i % 10 < 2 THEN 'running' WHEN i % 10 < 7 THEN 'finished' ELSE 'failed' END,
+			1,
+			now() - (i / 10 % 5) * interval '3 days' - interval '1 hour',
+			now() - (i / 10 % 5) * interval '3 days',
+			CASE WHEN i % 10 >= 2 THEN now() - (i / 10 % 5) * interval '13 hours' END,
+			CASE WHEN i % 10 >= 7 THEN 500 WHEN i % 10 >= 2 THEN 201 END,
+			CASE WHEN i % 10 >= 2 THEN '{}'::jsonb END,
+			CASE WHEN i % 10 >= 2 THEN '\x7b7d'::bytea END,
+			CASE WHEN i % 10 >= 7 THEN 'max_age' END
+		FROM generate_series(1, $1::int) AS i`, n)
+	exec(t, d, `
+		INSERT INTO outbox_messages (idempotency_key_id, topic, payload, published_at, dead_at, created_at)
+		SELECT (SELECT id FROM idempotency_keys WHERE scope = 'seed' AND key = 'k' || (i * 5)), 'receipts', '\x00'::bytea,
+			CASE WHEN i % 3 = 0 THEN now() - (i % 4) * interval '3 days' END,
+			CASE WHEN i % 3 = 1 THEN now() - (i % 4) * interval '3 days' END,
+			now() - (i % 4) * interval '3 days' - interval '1 minute'
+		FROM generate_series(1, $1::int / 5) AS i`, n)
+	exec(t, d, `CREATE TABLE expected_gone AS
+		SELECT 'key' AS kind, id FROM idempotency_keys WHERE status <> 'running' AND finished_at <= now() - interval '24 hours'
+		UNION ALL
+		SELECT 'outbox', id FROM outbox_messages WHERE coalesce(published_at, dead_at) <= now() - interval '7 days'`)
+	return d.Count(t, `SELECT count(*) FROM expected_gone WHERE kind = 'key'`),
+		d.Count(t, `SELECT count(*) FROM expected_gone WHERE kind = 'outbox'`)
+}
+
+// auditDeletes records, for every DELETE statement on the two tables, the
+// transaction it ran in and how many rows it removed.
+func auditDeletes(t *testing.T, d *pgtest.DB) {
+	t.Helper()
+	exec(t, d, `CREATE TABLE delete_audit (txid bigint NOT NULL, tbl text NOT NULL, n bigint NOT NULL)`)
+	exec(t, d, `CREATE FUNCTION audit_delete() RETURNS trigger LANGUAGE plpgsql AS $$
+		BEGIN
+			INSERT INTO delete_audit SELECT txid_current(), TG_TABLE_NAME, count(*) FROM old_rows;
+			RETURN NULL;
+		END $$`)
+	for _, tbl := range []string{"idempotency_keys", "outbox_messages"} {
+		exec(t, d, `CREATE TRIGGER `+tbl+`_delete_audit AFTER DELETE ON `+tbl+`
+			REFERENCING OLD TABLE AS old_rows FOR EACH STATEMENT EXECUTE FUNCTION audit_delete()`)
+	}
+}
+
+func requireExactlyEligibleGone(t *testing.T, d *pgtest.DB, n, keys, outbox int) {
+	t.Helper()
+	require.Equal(t, n-keys, d.Count(t, `SELECT count(*) FROM idempotency_keys`))
+	require.Zero(t, d.Count(t, `SELECT count(*) FROM idempotency_keys WHERE id IN (SELECT id FROM expected_gone WHERE kind = 'key')`))
+	require.Equal(t, n/5-outbox, d.Count(t, `SELECT count(*) FROM outbox_messages`))
+	require.Zero(t, d.Count(t, `SELECT count(*) FROM outbox_messages WHERE id IN (SELECT id FROM expected_gone WHERE kind = 'outbox')`))
+	require.Equal(t, n/5, d.Count(t, `SELECT count(*) FROM outbox_messages`)+outbox)
+}
+
+func TestCleanerDeletesExactlyEligibleRowsInBoundedBatchesAndNeverRunningKeys(t *testing.T) {
+	t.Parallel()
+	const n, batch = 100_000, 1000
+	ctx := context.Background()
+	d := pgtest.New(t)
+	keys, outbox := seed(t, d, n)
+	running := d.Count(t, `SELECT count(*) FROM idempotency_keys WHERE status = 'running'`)
+	require.Equal(t, n/5, running)
+	require.Equal(t, 48_000, keys) // 80% terminal, 3 of 5 ages past 24 h
+	auditDeletes(t, d)
+
+	c := newCleaner(t, d, cleanup.Config{BatchSize: batch})
+	dry, err := c.DryRun(ctx)
+	require.NoError(t, err)
+	require.Equal(t, cleanup.Report{KeysDeleted: int64(keys), OutboxDeleted: int64(outbox)}, dry)
+
+	began := time.Now()
+	rep, err := c.RunOnce(ctx)
+	elapsed := time.Since(began)
+	require.NoError(t, err)
+	t.Logf("deleted %d keys and %d outbox messages in %d batches in %v (%.0f rows/s)",
+		rep.KeysDeleted, rep.OutboxDeleted, rep.Batches, elapsed, float64(rep.KeysDeleted+rep.OutboxDeleted)/elapsed.Seconds())
+	require.Equal(t, int64(keys), rep.KeysDeleted)
+	require.Equal(t, int64(outbox), rep.OutboxDeleted)
+	require.False(t, rep.Skipped)
+	requireExactlyEligibleGone(t, d, n, keys, outbox)
+	require.Equal(t, running, d.Count(t, `SELECT count(*) FROM idempotency_keys WHERE status = 'running'`),
+		"running keys survive whatever their age")
+	require.Equal(t, running*2/5, d.Count(t, `SELECT count(*) FROM idempotency_keys
+		WHERE status = 'running' AND created_at < now() - interval '8 days'`), "including ones created 9 and 12 days ago")
+
+	// No transaction deleted more than a batch; the batches are the ones reported.
+	require.LessOrEqual(t, d.Count(t, `SELECT coalesce(max(s), 0) FROM
+		(SELECT sum(n)::int AS s FROM delete_audit GROUP BY txid, tbl) AS per_tx`), batch)
+	require.Equal(t, rep.Batches, d.Count(t, `SELECT count(*) FROM
+		(SELECT txid FROM delete_audit GROUP BY txid, tbl HAVING sum(n) > 0) AS per_tx`))
+	require.Equal(t, keys/batch+1, d.Count(t, `SELECT count(DISTINCT txid) FROM delete_audit WHERE tbl = 'idempotency_keys'`),
+		"full batches, then one short one that ends the loop")
+	// Outbox rows of deleted keys lost their link, not their existence.
+	require.Zero(t, d.Count(t, `SELECT count(*) FROM outbox_messages m WHERE idempotency_key_id IS NOT NULL
+		AND NOT EXISTS (SELECT 1 FROM idempotency_keys k WHERE k.id = m.idempotency_key_id)`))
+
+	again, err := c.RunOnce(ctx)
+	require.NoError(t, err)
+	require.Equal(t, cleanup.Report{}, again, "nothing left to delete")
+}
+
+func TestTwoCleanersAtOnceDoNoDoubleWork(t *testing.T) {
+	t.Parallel()
+	const n = 20_000
+	ctx := context.Background()
+	d := pgtest.New(t)
+	keys, outbox := seed(t, d, n)
+
+	var wg sync.WaitGroup
+	reports := make([]cleanup.Report, 2)
+	start := make(chan struct{})
+	for i := range reports {
+		// Separate pools, as separate processes would have.
+		c, err := cleanup.New(d.NewPool(t, nil), &cleanup.Config{Logger: quiet, BatchSize: 500})
+		require.NoError(t, err)
+		wg.Go(func() {
+			<-start
+			rep, err := c.RunOnce(ctx)
+			require.NoError(t, err)
+			reports[i] = rep
+		})
+	}
+	close(start)
+	wg.Wait()
+	t.Logf("reports: %+v", reports)
+	require.Equal(t, int64(keys), reports[0].KeysDeleted+reports[1].KeysDeleted)
+	require.Equal(t, int64(outbox), reports[0].OutboxDeleted+reports[1].OutboxDeleted)
+	requireExactlyEligibleGone(t, d, n, keys, outbox)
+}
+
+// holdLock takes the cleanup lock of d's installation on a connection of its
+// own, as a cleaner in another process would, until the returned func runs.
+func holdLock(t *testing.T, d *pgtest.DB) (release func()) {
+	t.Helper()
+	conn, err := d.Pool.Acquire(context.Background())
+	require.NoError(t, err)
+	_, err = conn.Exec(context.Background(), `SELECT pg_advisory_lock($1::int,
+		('idempotency_keys'::regclass::oid::bigint - 2147483648)::int)`, cleanup.LockClass)
+	require.NoError(t, err)
+	return sync.OnceFunc(func() {
+		_, err := conn.Exec(context.Background(), `SELECT pg_advisory_unlock_all()`)
+		require.NoError(t, err)
+		conn.Release()
+	})
+}
+
+func TestCleanerSkipsRoundWhileAnotherCleanerHoldsTheLock(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	d := pgtest.New(t)
+	keys, outbox := seed(t, d, 1000)
+	other := pgtest.New(t) // another installation in the same database
+	otherKeys, _ := seed(t, other, 1000)
+
+	release := holdLock(t, d)
+	defer release()
+	rep, err := newCleaner(t, d, cleanup.Config{}).RunOnce(ctx)
+	require.NoError(t, err)
+	require.Equal(t, cleanup.Report{Skipped: true}, rep)
+	require.Equal(t, 1000, d.Count(t, `SELECT count(*) FROM idempotency_keys`), "nothing deleted")
+
+	rep, err = newCleaner(t, other, cleanup.Config{}).RunOnce(ctx)
+	require.NoError(t, err)
+	require.False(t, rep.Skipped, "the lock is per installation, not per database")
+	require.Equal(t, int64(otherKeys), rep.KeysDeleted)
+
+	release()
+	rep, err = newCleaner(t, d, cleanup.Config{}).RunOnce(ctx)
+	require.NoError(t, err)
+	require.Equal(t, int64(keys), rep.KeysDeleted)
+	require.Equal(t, int64(outbox), rep.OutboxDeleted)
+}
+
+func TestDeletedKeyReuseStartsNewOperation(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	d := pgtest.New(t)
+	runner, err := txn.New(d.Pool, &txn.Config{Logger: quiet})
+	require.NoError(t, err)
+	// The scope is the test's schema: txn's in-flight advisory lock on
+	// (scope, key) is shared by the whole database.
+	key := txn.Key{Scope: d.Schema, Value: "order-1", Method: "POST", Path: "/orders", Params: []byte(`{"qty":1}`)}
+	ran := 0
+	fn := func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+		ran++
+		return txn.JSON(201, map[string]int{"run": ran})
+	}
+	first, err := runner.Run(ctx, key, fn)
+	require.NoError(t, err)
+
+	c := newCleaner(t, d, cleanup.Config{})
+	exec(t, d, `UPDATE idempotency_keys SET finished_at = now() - interval '23 hours 59 minutes'`)
+	rep, err := c.RunOnce(ctx)
+	require.NoError(t, err)
+	require.Zero(t, rep.KeysDeleted, "within the TTL the key is kept")
+	resp, err := runner.Run(ctx, key, fn)
+	require.NoError(t, err)
+	require.True(t, resp.Replayed)
+	require.Equal(t, first.Body, resp.Body)
+
+	exec(t, d, `UPDATE idempotency_keys SET finished_at = now() - interval '24 hours 1 minute'`)
+	rep, err = c.RunOnce(ctx)
+	require.NoError(t, err)
+	require.Equal(t, int64(1), rep.KeysDeleted)
+
+	resp, err = runner.Run(ctx, key, fn)
+	require.NoError(t, err)
+	require.False(t, resp.Replayed)
+	require.Equal(t, 2, ran, "fn ran again: a new operation")
+	require.JSONEq(t, `{"run":2}`, string(resp.Body))
+}
+
+func TestCleanerStoppedMidRoundLeavesOnlyWholeBatches(t *testing.T) {
+	t.Parallel()
+	const batch = 10
+	d := pgtest.New(t)
+	keys, _ := seed(t, d, 2000)
+	// Slow every delete statement down so the round is still going when stopped.
+	exec(t, d, `CREATE FUNCTION slow() RETURNS trigger LANGUAGE plpgsql AS $$
+		BEGIN PERFORM pg_sleep(0.02); RETURN NULL; END $$`)
+	exec(t, d, `CREATE TRIGGER slow_delete AFTER DELETE ON idempotency_keys FOR EACH STATEMENT EXECUTE FUNCTION slow()`)
+
+	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	defer cancel()
+	rep, err := newCleaner(t, d, cleanup.Config{BatchSize: batch}).RunOnce(ctx)
+	require.ErrorIs(t, err, context.DeadlineExceeded)
+	require.Positive(t, rep.KeysDeleted)
+	require.Less(t, rep.KeysDeleted, int64(keys))
+	require.Zero(t, rep.KeysDeleted%batch, "only whole batches were deleted")
+	require.Equal(t, 2000-int(rep.KeysDeleted), d.Count(t, `SELECT count(*) FROM idempotency_keys`),
+		"exactly the reported batches committed; the one in flight when stopped finished")
+
+	// The lock was released with the round: the next round runs.
+	rep, err = newCleaner(t, d, cleanup.Config{BatchSize: 1000}).RunOnce(context.Background())
+	require.NoError(t, err)
+	require.False(t, rep.Skipped)
+	require.Equal(t, 2000-keys, d.Count(t, `SELECT count(*) FROM idempotency_keys`))
+}
+
+func TestCleanerStartRunsRoundsUntilStop(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	d := pgtest.New(t)
+	seed(t, d, 100)
+	c := newCleaner(t, d, cleanup.Config{Interval: 20 * time.Millisecond})
+	require.NoError(t, c.Start(ctx))
+	require.ErrorIs(t, c.Start(ctx), cleanup.ErrAlreadyStarted)
+	require.Eventually(t, func() bool {
+		return d.Count(t, `SELECT count(*) FROM idempotency_keys`) == 100-d.Count(t, `SELECT count(*) FROM expected_gone WHERE kind = 'key'`)
+	}, 10*time.Second, 10*time.Millisecond)
+	c.Stop()
+	c.Stop()
+	exec(t, d, `UPDATE idempotency_keys SET finished_at = now() - interval '2 days' WHERE status <> 'running'`)
+	time.Sleep(100 * time.Millisecond)
+	require.NotZero(t, d.Count(t, `SELECT count(*) FROM idempotency_keys WHERE status <> 'running'`), "no round after Stop")
+}
+
+func TestNewValidatesExpiryWindow(t *testing.T) {
+	t.Parallel()
+	pool := pgtest.Pool(t)
+	_, err := cleanup.New(nil, nil)
+	require.ErrorIs(t, err, cleanup.ErrInvalidConfig)
+	for name, cfg := range map[string]cleanup.Config{
+		"ttl under a day":    {TTL: 23 * time.Hour},
+		"ttl over a week":    {TTL: 7*24*time.Hour + time.Second},
+		"negative ttl":       {TTL: -time.Hour},
+		"negative retention": {OutboxRetention: -time.Hour},
+		"negative batch":     {BatchSize: -1},
+		"huge batch":         {BatchSize: 100_001},
+		"negative interval":  {Interval: -time.Second},
+	} {
+		_, err := cleanup.New(pool, &cfg)
+		require.ErrorIs(t, err, cleanup.ErrInvalidConfig, name)
+	}
+	for _, ttl := range []time.Duration{0, cleanup.MinTTL, 72 * time.Hour, cleanup.MaxTTL} {
+		_, err := cleanup.New(pool, &cleanup.Config{TTL: ttl})
+		require.NoError(t, err)
+	}
+}

@@ -1,0 +1,30 @@
+// Package cleanup deletes idempotency keys past their expiry and outbox
+// messages past their retention.
+//
+// # Expiry policy
+//
+// An idempotency key expires a fixed time (the TTL) after it reached its
+// terminal response: by default 24 hours, configurable from 24 hours to 7
+// days. Until then every retry with the key gets the stored response; after
+// it, the key may be deleted, and a request that reuses its value starts a
+// new operation. Keys still running are never deleted, whatever their age;
+// the recovery package resumes or fails them. The window is measured from
+// finished_at, by the database clock.
+//
+// Outbox messages are deleted once they were published or dead-lettered
+// longer ago than their retention (default 7 days). Pending messages are
+// never deleted.
+//
+// # Batches and concurrency
+//
+// A [Cleaner] deletes in batches of [Config.BatchSize] rows, one short
+// transaction (one statement) per batch, oldest first, looping until a batch
+// comes back short. A stopped round leaves every batch either committed or
+// rolled back. Only one cleaner deletes at a time: a round first takes a
+// session advisory lock (named after this installation's idempotency_keys
+// table, so installations in other schemas do not exclude each other) on a
+// connection of its own, and a cleaner that finds the lock held skips the
+// round ([Report.Skipped]). Session advisory locks need a session: connect
+// the cleaner directly or through a session-pooling proxy, not through a
+// transaction-pooling one.
+package cleanup

@@ -1,0 +1,29 @@
+// Command reaper resumes or fails stalled idempotency keys and deletes
+// expired keys and outbox messages: the recovery and cleanup packages behind
+// a command line, for cron (-once) or as a daemon (-interval D).
+//
+//	reaper -once                       # one round, for cron or a Kubernetes CronJob
+//	reaper -interval 1m                # a round every minute until SIGTERM or SIGINT
+//	reaper -once -dry-run              # report what a round would do; change nothing
+//
+// Settings come from flags, with environment variables as their defaults:
+// -database-url ($DATABASE_URL), -ttl ($REAPER_TTL, default 24h, from 24h to
+// 168h), -outbox-retention ($REAPER_OUTBOX_RETENTION, 168h), -resume-delay
+// ($REAPER_RESUME_DELAY, 1m), -max-attempts ($REAPER_MAX_ATTEMPTS, 10),
+// -max-age ($REAPER_MAX_AGE, 12h, under 24h), -unknown-workflow-delay
+// ($REAPER_UNKNOWN_WORKFLOW_DELAY, 1h), -batch-size ($REAPER_BATCH_SIZE,
+// 1000) and -log-level ($REAPER_LOG_LEVEL, info).
+//
+// Logs are JSON lines on standard error, one summary line per round
+// (msg "reaper round", or "reaper dry run"). The exit status is 0 when every
+// round succeeded or the reaper was stopped by SIGTERM or SIGINT (a stop
+// lets the batch in flight commit and starts no other), 1 when a round
+// failed or the database is unreachable or its schema is behind (the
+// message names the first missing migration), and 2 for a usage error.
+//
+// This binary has no user code, so its workflow registry is empty: it
+// cannot resume anything, and fails stalled keys once they are older than
+// -unknown-workflow-delay (and those past -max-attempts or -max-age). A
+// service that wants its stalled keys resumed runs recovery.Resumer with its
+// own registry, in-process or in a service-specific reaper built the same way.
+package main

@@ -1,0 +1,165 @@
+-- name: FailStalledKeys :many
+-- Fails up to batch_size stalled keys that meet a failure rule, in one
+-- statement: each row is locked (SKIP LOCKED, so concurrent resumers split
+-- the work), and the UPDATE is fenced again on status and lease, so a key
+-- that a live attempt holds is never failed. The response is terminal and
+-- replayed to every later retry of the key. Times are the database clock's.
+-- Rules apply in this order everywhere: unknown_workflow, max_attempts, max_age.
+WITH candidates AS MATERIALIZED (
+    SELECT id,
+           CASE
+               WHEN workflow <> ALL (@registered::text[])
+                    AND created_at <= now() - make_interval(secs => @unknown_workflow_delay_seconds::float8)
+                   THEN 'unknown_workflow'
+               WHEN attempts >= @max_attempts::integer
+                   THEN 'max_attempts'
+               ELSE 'max_age'
+           END::text AS reason
+    FROM idempotency_keys
+    WHERE status = 'running'
+      AND last_run_at <= now() - make_interval(secs => @resume_delay_seconds::float8)
+      AND (lease_token IS NULL OR leased_until <= now())
+      AND ((workflow <> ALL (@registered::text[])
+            AND created_at <= now() - make_interval(secs => @unknown_workflow_delay_seconds::float8))
+           OR attempts >= @max_attempts::integer
+           OR created_at <= now() - make_interval(secs => @max_age_seconds::float8))
+    ORDER BY created_at
+    LIMIT @batch_size::integer
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE idempotency_keys AS k
+SET status = 'failed',
+    failure_reason = c.reason,
+    response_status = @response_status::integer,
+    response_headers = @response_headers::jsonb,
+    response_body = CASE c.reason
+                        WHEN 'unknown_workflow' THEN @unknown_workflow_body::bytea
+                        WHEN 'max_attempts' THEN @max_attempts_body::bytea
+                        ELSE @max_age_body::bytea
+                    END,
+    finished_at = now(),
+    lease_token = NULL,
+    leased_until = NULL
+FROM candidates AS c
+WHERE k.id = c.id
+  AND k.status = 'running'
+  AND (k.lease_token IS NULL OR k.leased_until <= now())
+RETURNING k.id, k.scope, k.key, k.workflow, k.recovery_point, k.attempts, c.reason;
+
+-- name: ClaimStalledKeys :many
+-- Claims up to batch_size stalled keys that a registered workflow can resume
+-- and no failure rule applies to. The claim only moves last_run_at to now(),
+-- which hides the keys from other resumers for one resume delay; it takes no
+-- lease, so a client retry can still take a key over, and the resume itself
+-- takes the lease atomically (the claim spreads work, the lease excludes).
+WITH candidates AS MATERIALIZED (
+    SELECT id
+    FROM idempotency_keys
+    WHERE status = 'running'
+      AND last_run_at <= now() - make_interval(secs => @resume_delay_seconds::float8)
+      AND (lease_token IS NULL OR leased_until <= now())
+      AND workflow = ANY (@registered::text[])
+      AND workflow <> ''
+      AND attempts < @max_attempts::integer
+      AND created_at > now() - make_interval(secs => @max_age_seconds::float8)
+    ORDER BY created_at
+    LIMIT @batch_size::integer
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE idempotency_keys AS k
+SET last_run_at = now()
+FROM candidates AS c
+WHERE k.id = c.id
+  AND k.status = 'running'
+  AND (k.lease_token IS NULL OR k.leased_until <= now())
+RETURNING k.id, k.scope, k.key, k.workflow;
+
+-- name: CountStalledKeys :one
+-- What a recovery round would do now: keys it would fail (by rule), resume,
+-- or leave waiting (unregistered workflows younger than the delay).
+WITH stalled AS (
+    SELECT (workflow <> ALL (@registered::text[])) AS unregistered,
+           (workflow <> ALL (@registered::text[])
+            AND created_at <= now() - make_interval(secs => @unknown_workflow_delay_seconds::float8)) AS unknown_due,
+           attempts >= @max_attempts::integer AS attempts_due,
+           created_at <= now() - make_interval(secs => @max_age_seconds::float8) AS age_due
+    FROM idempotency_keys
+    WHERE status = 'running'
+      AND last_run_at <= now() - make_interval(secs => @resume_delay_seconds::float8)
+      AND (lease_token IS NULL OR leased_until <= now())
+)
+SELECT count(*) FILTER (WHERE unknown_due)::bigint AS unknown_workflow,
+       count(*) FILTER (WHERE NOT unknown_due AND attempts_due)::bigint AS max_attempts,
+       count(*) FILTER (WHERE NOT unknown_due AND NOT attempts_due AND age_due)::bigint AS max_age,
+       count(*) FILTER (WHERE NOT unregistered AND NOT attempts_due AND NOT age_due)::bigint AS resumable,
+       count(*) FILTER (WHERE unregistered AND NOT unknown_due AND NOT attempts_due AND NOT age_due)::bigint AS waiting
+FROM stalled;
+
+-- name: TryLockCleanup :one
+-- Takes the session advisory lock that lets one cleaner at a time delete
+-- from this installation's tables. The lock is named after the
+-- idempotency_keys table's oid, so installations in other schemas of the
+-- same database do not exclude each other.
+SELECT pg_try_advisory_lock(@lock_class::integer,
+    ('idempotency_keys'::regclass::oid::bigint - 2147483648)::integer)::boolean AS locked;
+
+-- name: UnlockCleanup :one
+SELECT pg_advisory_unlock(@lock_class::integer,
+    ('idempotency_keys'::regclass::oid::bigint - 2147483648)::integer)::boolean AS unlocked;
+
+-- name: DeleteExpiredKeys :one
+-- Deletes up to batch_size terminal keys finished more than ttl ago, oldest
+-- first, in one statement (one short transaction), and unlinks the outbox
+-- messages they wrote (the column is a plain reference, not a foreign key,
+-- so that phases take no foreign-key locks). A running key is never
+-- deleted, whatever its age.
+WITH batch AS MATERIALIZED (
+    SELECT id
+    FROM idempotency_keys
+    WHERE status <> 'running'
+      AND finished_at <= now() - make_interval(secs => @ttl_seconds::float8)
+    ORDER BY finished_at
+    LIMIT @batch_size::integer
+    FOR UPDATE SKIP LOCKED
+), deleted AS (
+    DELETE FROM idempotency_keys AS k
+    USING batch AS b
+    WHERE k.id = b.id
+      AND k.status <> 'running'
+    RETURNING k.id
+), unlinked AS (
+    UPDATE outbox_messages AS m
+    SET idempotency_key_id = NULL
+    FROM deleted AS d
+    WHERE m.idempotency_key_id = d.id
+    RETURNING m.id
+)
+SELECT count(*)::bigint AS deleted FROM deleted;
+
+-- name: DeleteExpiredOutboxMessages :execrows
+-- Deletes up to batch_size outbox rows published or dead-lettered more than
+-- retention ago, oldest first, in one statement. Pending rows are never
+-- deleted.
+WITH batch AS MATERIALIZED (
+    SELECT id
+    FROM outbox_messages
+    WHERE (published_at IS NOT NULL OR dead_at IS NOT NULL)
+      AND coalesce(published_at, dead_at) <= now() - make_interval(secs => @retention_seconds::float8)
+    ORDER BY coalesce(published_at, dead_at)
+    LIMIT @batch_size::integer
+    FOR UPDATE SKIP LOCKED
+)
+DELETE FROM outbox_messages AS m
+USING batch AS b
+WHERE m.id = b.id;
+
+-- name: CountExpired :one
+-- What a cleanup round would delete now.
+SELECT (SELECT count(*)
+        FROM idempotency_keys
+        WHERE status <> 'running'
+          AND finished_at <= now() - make_interval(secs => @ttl_seconds::float8))::bigint AS keys,
+       (SELECT count(*)
+        FROM outbox_messages
+        WHERE (published_at IS NOT NULL OR dead_at IS NOT NULL)
+          AND coalesce(published_at, dead_at) <= now() - make_interval(secs => @retention_seconds::float8))::bigint AS outbox_messages;

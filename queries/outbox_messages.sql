@@ -1,0 +1,130 @@
+-- name: EnqueueMessages :exec
+-- Stages messages in the caller's transaction, in one statement:
+--   1. locks: a transaction-scoped advisory lock on every distinct ordering
+--      key, taken in lock-id order so that two transactions locking
+--      overlapping keys cannot deadlock each other;
+--   2. inserted: the rows, in argument order, with ids drawn only after every
+--      lock is held (the locks CTE gates the insert's only input row source),
+--      so within an ordering key id order equals commit order;
+--   3. one notification for the relays; PostgreSQL folds identical
+--      notifications of one transaction into one, delivered at commit.
+-- The notification payload is the schema the rows went to, so a relay serving
+-- another schema of the same database ignores it.
+WITH locks AS MATERIALIZED (
+    SELECT pg_advisory_xact_lock(s.lock_id)
+    FROM (
+        SELECT DISTINCT hashtextextended(k, 7105431) AS lock_id
+        FROM unnest(@ordering_keys::text[]) AS u(k)
+        WHERE k <> ''
+        ORDER BY 1
+    ) AS s
+),
+inserted AS (
+    INSERT INTO outbox_messages (
+        idempotency_key_id, topic, ordering_key, payload, headers, created_at, available_at
+    )
+    SELECT sqlc.narg(idempotency_key_id)::bigint, m.topic, nullif(m.ordering_key, ''),
+           m.payload, m.headers::jsonb, now(), now() + m.delay_us * interval '1 microsecond'
+    FROM (
+        -- Set-returning functions in one select list advance in lockstep.
+        SELECT unnest(@topics::text[]) AS topic,
+               unnest(@ordering_keys::text[]) AS ordering_key,
+               unnest(@payloads::bytea[]) AS payload,
+               unnest(@headers::text[]) AS headers,
+               unnest(@delays_us::bigint[]) AS delay_us,
+               generate_subscripts(@topics::text[], 1) AS ord
+    ) AS m
+    WHERE (SELECT count(*) FROM locks) >= 0
+    ORDER BY m.ord
+    RETURNING id
+)
+SELECT pg_notify(@channel::text, coalesce(current_schema(), '')), (SELECT count(*) FROM inserted);
+
+-- name: ClaimMessages :many
+-- Claims the next publishable messages and locks them until the caller's
+-- transaction ends.
+--
+-- A head is a due, pending message with no earlier pending message of its
+-- ordering key (unordered messages are all heads). Heads are taken oldest due
+-- first, skipping those another relay has locked; a locked message is still
+-- pending, so its key's later messages are not heads either, and a key is
+-- never relayed by two relays at once.
+--
+-- When there are fewer heads than the batch holds, the rest is filled with
+-- the claimed keys' following messages in id order, each key's run ending
+-- before its first message that is not yet due. Only the holder of a key's
+-- head can take its followers, so they are never locked by anyone else.
+WITH heads AS MATERIALIZED (
+    SELECT h.id, h.ordering_key
+    FROM outbox_messages h
+    WHERE h.published_at IS NULL AND h.dead_at IS NULL
+      AND h.available_at <= now()
+      AND (h.ordering_key IS NULL OR NOT EXISTS (
+            SELECT 1 FROM outbox_messages e
+            WHERE e.ordering_key = h.ordering_key AND e.id < h.id
+              AND e.published_at IS NULL AND e.dead_at IS NULL))
+    ORDER BY h.available_at, h.id
+    LIMIT sqlc.arg(batch_size)::integer
+    FOR UPDATE SKIP LOCKED
+),
+followers AS (
+    SELECT f.id
+    FROM heads
+    CROSS JOIN LATERAL (
+        SELECT r.id, bool_and(r.due) OVER (ORDER BY r.id) AS run_due
+        FROM (
+            SELECT x.id, x.available_at <= now() AS due
+            FROM outbox_messages x
+            WHERE x.ordering_key = heads.ordering_key AND x.id > heads.id
+              AND x.published_at IS NULL AND x.dead_at IS NULL
+            ORDER BY x.id
+            LIMIT greatest(sqlc.arg(batch_size)::integer - (SELECT count(*) FROM heads), 0)
+        ) AS r
+    ) AS f
+    WHERE heads.ordering_key IS NOT NULL AND f.run_due
+)
+SELECT m.id, m.topic, m.ordering_key, m.payload, m.headers, m.attempts, m.created_at
+FROM outbox_messages m
+WHERE m.id = ANY(ARRAY(SELECT heads.id FROM heads UNION ALL SELECT followers.id FROM followers))
+  AND m.published_at IS NULL AND m.dead_at IS NULL
+ORDER BY m.id
+LIMIT sqlc.arg(batch_size)::integer
+FOR UPDATE OF m;
+
+-- name: MarkPublished :exec
+-- Records successful publishes, in the claiming transaction.
+UPDATE outbox_messages
+SET published_at = now(), attempts = attempts + 1
+WHERE id = ANY(@ids::bigint[]) AND published_at IS NULL AND dead_at IS NULL;
+
+-- name: RecordFailures :exec
+-- Records failed publishes, in the claiming transaction: each row either
+-- waits delay_us before its next attempt or is dead-lettered now.
+UPDATE outbox_messages AS m
+SET attempts = m.attempts + 1,
+    last_error = f.last_error,
+    available_at = CASE WHEN f.dead THEN m.available_at
+                        ELSE now() + f.delay_us * interval '1 microsecond' END,
+    dead_at = CASE WHEN f.dead THEN now() END
+FROM (
+    SELECT unnest(@ids::bigint[]) AS id,
+           unnest(@errors::text[]) AS last_error,
+           unnest(@delays_us::bigint[]) AS delay_us,
+           unnest(@dead::boolean[]) AS dead
+) AS f
+WHERE m.id = f.id AND m.published_at IS NULL AND m.dead_at IS NULL;
+
+-- name: OldestPendingAge :one
+-- Seconds since the oldest unpublished, live message was staged, by the
+-- database clock; 0 when there is none.
+SELECT coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8 AS age_seconds
+FROM outbox_messages
+WHERE published_at IS NULL AND dead_at IS NULL;
+
+-- name: NextDueIn :one
+-- Seconds until the earliest message that is not yet due becomes due, or -1
+-- when there is none. Lets an idle relay wake for retries and delayed
+-- messages sooner than its poll interval.
+SELECT coalesce(extract(epoch FROM min(available_at) - now()), -1)::float8 AS due_in_seconds
+FROM outbox_messages
+WHERE published_at IS NULL AND dead_at IS NULL AND available_at > now();

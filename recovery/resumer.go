@@ -1,0 +1,472 @@
+package recovery
+
+import (
+	"cmp"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math"
+	"net/http"
+	"sync"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/atomicphase/atomicphase/internal/db"
+	"github.com/atomicphase/atomicphase/txn"
+)
+
+// Failure reasons, stored in a failed key's failure_reason column and in the
+// "reason" member of its problem response.
+const (
+	// ReasonUnknownWorkflow: no workflow registered under the key's name
+	// (or a single-phase key, which cannot be resumed) and the key is older
+	// than Config.UnknownWorkflowDelay.
+	ReasonUnknownWorkflow = "unknown_workflow"
+	// ReasonMaxAttempts: the key was taken Config.MaxAttempts times without
+	// reaching a terminal response.
+	ReasonMaxAttempts = "max_attempts"
+	// ReasonMaxAge: the key is older than Config.MaxAge.
+	ReasonMaxAge = "max_age"
+)
+
+// FailureStatus is the HTTP status stored for a key that recovery fails.
+const FailureStatus = http.StatusInternalServerError
+
+// MaxAgeLimit bounds Config.MaxAge: payment providers keep idempotency keys
+// for about 24 hours, so an operation must not be resumed after that.
+const MaxAgeLimit = 24 * time.Hour
+
+// Config configures a Resumer. The zero value is usable; every field states
+// its default.
+type Config struct {
+	// Logger receives resumed and failed keys (with snake_case attributes)
+	// and round summaries of Start. Default: slog.Default().
+	Logger *slog.Logger
+
+	// ResumeDelay is how long after its last run a running key with a free
+	// or expired lease counts as stalled. Keep it longer than a client's
+	// retry window, so that clients get the first chance to retry.
+	// Default: 1 minute.
+	ResumeDelay time.Duration
+
+	// MaxAttempts is how many attempts (first run, retries and resumes) a
+	// key gets; a stalled key that has had that many is failed with
+	// ReasonMaxAttempts. Default: 10.
+	MaxAttempts int
+
+	// MaxAge fails stalled keys created longer ago than this, with
+	// ReasonMaxAge. It must be shorter than MaxAgeLimit (24 hours), the
+	// payment providers' idempotency window. Default: 12 hours.
+	MaxAge time.Duration
+
+	// UnknownWorkflowDelay fails stalled keys whose workflow is not in the
+	// registry (and running single-phase keys, which cannot be resumed)
+	// once they were created longer ago than this, with
+	// ReasonUnknownWorkflow. Younger ones are left for a resumer that has
+	// the workflow. Default: 1 hour.
+	UnknownWorkflowDelay time.Duration
+
+	// BatchSize is how many keys one statement fails or claims, at most
+	// 10,000. Default: 100.
+	BatchSize int
+
+	// Concurrency is how many keys are resumed in parallel. Default: 4.
+	Concurrency int
+
+	// Interval is the time between the starts of two rounds run by Start.
+	// Default: 30 seconds.
+	Interval time.Duration
+
+	// LeaseDuration is the lease a resume holds on a key, passed to the
+	// internal txn Runner (txn.Config.LeaseDuration); make it longer than
+	// the slowest phase. Default: txn's default, 90 seconds.
+	LeaseDuration time.Duration
+}
+
+// Report says what one round did.
+type Report struct {
+	// Resumed counts keys resumed to a stored terminal response.
+	Resumed int
+	// FailedUnknownWorkflow, FailedMaxAttempts and FailedMaxAge count keys
+	// failed, by reason.
+	FailedUnknownWorkflow, FailedMaxAttempts, FailedMaxAge int
+	// Errors counts resumes that ended in an error: the workflow failed
+	// transiently (the key is released at its last recovery point, with its
+	// attempts incremented, and is resumed again after ResumeDelay) or lost
+	// its lease.
+	Errors int
+	// Skipped counts claimed keys that a client retry took over or finished
+	// before the resume could.
+	Skipped int
+	// Left counts the keys still stalled when the round ended: keys of
+	// unregistered workflows younger than UnknownWorkflowDelay, and keys
+	// that stalled during the round.
+	Left int
+}
+
+// Failed is the number of keys failed, for every reason.
+func (r Report) Failed() int {
+	return r.FailedUnknownWorkflow + r.FailedMaxAttempts + r.FailedMaxAge
+}
+
+// Resumer resumes or fails stalled keys. It is safe for concurrent use, and
+// several Resumers (in one process or many) may work on one database.
+type Resumer struct {
+	q        *db.Queries
+	runner   *txn.Runner
+	registry *txn.Registry
+	cfg      Config
+	log      *slog.Logger
+
+	headers []byte
+	bodies  map[string][]byte
+
+	mu     sync.Mutex
+	cancel context.CancelFunc
+	done   chan struct{}
+}
+
+// New returns a Resumer over pool that resumes keys with the workflows in
+// registry. registry may be empty (a process without user code) but not nil;
+// cfg may be nil. Invalid values give an error wrapping ErrInvalidConfig.
+func New(pool *pgxpool.Pool, registry *txn.Registry, cfg *Config) (*Resumer, error) {
+	if pool == nil {
+		return nil, fmt.Errorf("recovery: new: %w: pool is nil", ErrInvalidConfig)
+	}
+	if registry == nil {
+		return nil, fmt.Errorf("recovery: new: %w: registry is nil (pass txn.NewRegistry() to resume nothing)", ErrInvalidConfig)
+	}
+	if cfg == nil {
+		cfg = &Config{}
+	}
+	c := *cfg
+	if c.ResumeDelay < 0 || c.MaxAttempts < 0 || c.MaxAge < 0 || c.UnknownWorkflowDelay < 0 ||
+		c.BatchSize < 0 || c.Concurrency < 0 || c.Interval < 0 || c.LeaseDuration < 0 {
+		return nil, fmt.Errorf("recovery: new: %w: negative durations and counts are not allowed", ErrInvalidConfig)
+	}
+	c.Logger = cmp.Or(c.Logger, slog.Default())
+	c.ResumeDelay = cmp.Or(c.ResumeDelay, time.Minute)
+	c.MaxAttempts = cmp.Or(c.MaxAttempts, 10)
+	c.MaxAge = cmp.Or(c.MaxAge, 12*time.Hour)
+	c.UnknownWorkflowDelay = cmp.Or(c.UnknownWorkflowDelay, time.Hour)
+	c.BatchSize = cmp.Or(c.BatchSize, 100)
+	c.Concurrency = cmp.Or(c.Concurrency, 4)
+	c.Interval = cmp.Or(c.Interval, 30*time.Second)
+	switch {
+	case c.MaxAge >= MaxAgeLimit:
+		return nil, fmt.Errorf("recovery: new: %w: MaxAge %v must be shorter than %v, the payment providers' idempotency window",
+			ErrInvalidConfig, c.MaxAge, MaxAgeLimit)
+	case c.MaxAttempts > math.MaxInt32:
+		return nil, fmt.Errorf("recovery: new: %w: MaxAttempts %d is too large", ErrInvalidConfig, c.MaxAttempts)
+	case c.BatchSize > 10000:
+		return nil, fmt.Errorf("recovery: new: %w: BatchSize %d is larger than 10000", ErrInvalidConfig, c.BatchSize)
+	}
+	runner, err := txn.New(pool, &txn.Config{Workflows: registry, Logger: c.Logger, LeaseDuration: c.LeaseDuration})
+	if err != nil {
+		return nil, fmt.Errorf("recovery: new: %w: %w", ErrInvalidConfig, err)
+	}
+	r := &Resumer{
+		q: db.New(pool), runner: runner, registry: registry, cfg: c, log: c.Logger,
+		headers: []byte(`{"Content-Type":["application/problem+json"]}`),
+		bodies: map[string][]byte{
+			ReasonUnknownWorkflow: problem(ReasonUnknownWorkflow,
+				"no handler that can complete it is available, so it was stopped after its last completed step"),
+			ReasonMaxAttempts: problem(ReasonMaxAttempts,
+				fmt.Sprintf("it was attempted %d times without finishing, so it was stopped after its last completed step", c.MaxAttempts)),
+			ReasonMaxAge: problem(ReasonMaxAge,
+				fmt.Sprintf("it did not finish within %v of its first attempt, so it was stopped after its last completed step", c.MaxAge)),
+		},
+	}
+	return r, nil
+}
+
+// problem returns an RFC 9457 problem body for a failed key.
+func problem(reason, why string) []byte {
+	b, _ := json.Marshal(struct { // cannot fail: strings and an int only
+		Title  string `json:"title"`
+		Status int    `json:"status"`
+		Detail string `json:"detail"`
+		Reason string `json:"reason"`
+	}{
+		Title:  "Operation could not be completed",
+		Status: FailureStatus,
+		Detail: "The operation could not be completed: " + why + ". Retrying with the same idempotency key returns this response.",
+		Reason: reason,
+	})
+	return b
+}
+
+// RunOnce runs one round: it fails the stalled keys that meet a failure rule,
+// then claims and resumes the others in batches until a batch comes back
+// short, and counts what is left. A resume that fails is counted in
+// Report.Errors, not returned; the error is for the database failing, or ctx
+// ending (then it wraps ctx's error, and the report holds what was done).
+func (r *Resumer) RunOnce(ctx context.Context) (Report, error) {
+	var rep Report
+	registered := append([]string{}, r.registry.Names()...) // never NULL in SQL
+	if err := r.failStalled(ctx, registered, &rep); err != nil {
+		return rep, err
+	}
+	for {
+		if err := ctx.Err(); err != nil {
+			return rep, wrap(ctx, "claim stalled keys", err)
+		}
+		rows, err := inBatch(ctx, func(ctx context.Context) ([]db.ClaimStalledKeysRow, error) {
+			return r.q.ClaimStalledKeys(ctx, db.ClaimStalledKeysParams{
+				ResumeDelaySeconds: r.cfg.ResumeDelay.Seconds(),
+				Registered:         registered,
+				MaxAttempts:        int32(r.cfg.MaxAttempts),
+				MaxAgeSeconds:      r.cfg.MaxAge.Seconds(),
+				BatchSize:          int32(r.cfg.BatchSize),
+			})
+		})
+		if err != nil {
+			return rep, wrap(ctx, "claim stalled keys", err)
+		}
+		r.resumeAll(ctx, rows, &rep)
+		if err := ctx.Err(); err != nil {
+			return rep, fmt.Errorf("recovery: %w", err)
+		}
+		if len(rows) < r.cfg.BatchSize {
+			break
+		}
+	}
+	counts, err := r.count(ctx, registered)
+	if err != nil {
+		return rep, err
+	}
+	rep.Left = int(counts.UnknownWorkflow + counts.MaxAttempts + counts.MaxAge + counts.Resumable + counts.Waiting)
+	return rep, nil
+}
+
+// wrap names op in err, and reports ctx's error instead when ctx ended, so
+// that callers can tell a stop from a failure with errors.Is.
+func wrap(ctx context.Context, op string, err error) error {
+	if cerr := ctx.Err(); cerr != nil {
+		return fmt.Errorf("recovery: %s: %w", op, cerr)
+	}
+	return fmt.Errorf("recovery: %s: %w", op, err)
+}
+
+// batchGrace is how long a batch statement in flight when the round's
+// context ends may take to finish before it is cancelled (and rolled back).
+const batchGrace = 5 * time.Second
+
+// inBatch runs one batch statement on a context that outlives ctx by up to
+// batchGrace, so that a stop lets the statement in flight finish and the
+// report counts exactly what was committed; a cancelled statement would
+// race its own commit acknowledgement.
+func inBatch[T any](ctx context.Context, fn func(context.Context) (T, error)) (T, error) {
+	bctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
+	defer cancel()
+	stop := context.AfterFunc(ctx, func() {
+		t := time.NewTimer(batchGrace)
+		defer t.Stop()
+		select {
+		case <-t.C:
+			cancel()
+		case <-bctx.Done():
+		}
+	})
+	defer stop()
+	return fn(bctx)
+}
+
+// DryRun reports what a round would do now, and changes nothing: Resumed
+// counts the keys it would resume, the Failed fields the keys it would fail,
+// and Left the stalled keys it would leave waiting.
+func (r *Resumer) DryRun(ctx context.Context) (Report, error) {
+	counts, err := r.count(ctx, append([]string{}, r.registry.Names()...))
+	if err != nil {
+		return Report{}, err
+	}
+	return Report{
+		Resumed:               int(counts.Resumable),
+		FailedUnknownWorkflow: int(counts.UnknownWorkflow),
+		FailedMaxAttempts:     int(counts.MaxAttempts),
+		FailedMaxAge:          int(counts.MaxAge),
+		Left:                  int(counts.Waiting),
+	}, nil
+}
+
+func (r *Resumer) count(ctx context.Context, registered []string) (db.CountStalledKeysRow, error) {
+	counts, err := r.q.CountStalledKeys(ctx, db.CountStalledKeysParams{
+		Registered:                  registered,
+		UnknownWorkflowDelaySeconds: r.cfg.UnknownWorkflowDelay.Seconds(),
+		MaxAttempts:                 int32(r.cfg.MaxAttempts),
+		MaxAgeSeconds:               r.cfg.MaxAge.Seconds(),
+		ResumeDelaySeconds:          r.cfg.ResumeDelay.Seconds(),
+	})
+	if err != nil {
+		return counts, wrap(ctx, "count stalled keys", err)
+	}
+	return counts, nil
+}
+
+func (r *Resumer) failStalled(ctx context.Context, registered []string, rep *Report) error {
+	for {
+		if err := ctx.Err(); err != nil {
+			return wrap(ctx, "fail stalled keys", err)
+		}
+		rows, err := inBatch(ctx, func(ctx context.Context) ([]db.FailStalledKeysRow, error) {
+			return r.q.FailStalledKeys(ctx, db.FailStalledKeysParams{
+				ResponseStatus:              FailureStatus,
+				ResponseHeaders:             r.headers,
+				UnknownWorkflowBody:         r.bodies[ReasonUnknownWorkflow],
+				MaxAttemptsBody:             r.bodies[ReasonMaxAttempts],
+				MaxAgeBody:                  r.bodies[ReasonMaxAge],
+				Registered:                  registered,
+				UnknownWorkflowDelaySeconds: r.cfg.UnknownWorkflowDelay.Seconds(),
+				MaxAttempts:                 int32(r.cfg.MaxAttempts),
+				ResumeDelaySeconds:          r.cfg.ResumeDelay.Seconds(),
+				MaxAgeSeconds:               r.cfg.MaxAge.Seconds(),
+				BatchSize:                   int32(r.cfg.BatchSize),
+			})
+		})
+		if err != nil {
+			return wrap(ctx, "fail stalled keys", err)
+		}
+		for _, row := range rows {
+			switch row.Reason {
+			case ReasonUnknownWorkflow:
+				rep.FailedUnknownWorkflow++
+			case ReasonMaxAttempts:
+				rep.FailedMaxAttempts++
+			default:
+				rep.FailedMaxAge++
+			}
+			r.log.WarnContext(ctx, "stalled key failed",
+				"scope", row.Scope, "key", row.Key, "workflow", row.Workflow, "reason", row.Reason,
+				"recovery_point", row.RecoveryPoint, "attempts", row.Attempts)
+		}
+		if len(rows) < r.cfg.BatchSize {
+			return nil
+		}
+	}
+}
+
+// resumeAll resumes the claimed keys, Concurrency at a time.
+func (r *Resumer) resumeAll(ctx context.Context, rows []db.ClaimStalledKeysRow, rep *Report) {
+	var (
+		mu  sync.Mutex
+		wg  sync.WaitGroup
+		sem = make(chan struct{}, r.cfg.Concurrency)
+	)
+	defer wg.Wait()
+	for _, row := range rows {
+		select {
+		case <-ctx.Done():
+			return
+		case sem <- struct{}{}:
+		}
+		wg.Go(func() {
+			defer func() { <-sem }()
+			outcome := r.resume(ctx, row)
+			mu.Lock()
+			defer mu.Unlock()
+			switch outcome {
+			case resumed:
+				rep.Resumed++
+			case skipped:
+				rep.Skipped++
+			case failed:
+				rep.Errors++
+			}
+		})
+	}
+}
+
+type outcome int
+
+const (
+	cancelled outcome = iota
+	resumed
+	skipped
+	failed
+)
+
+func (r *Resumer) resume(ctx context.Context, row db.ClaimStalledKeysRow) outcome {
+	resp, err := r.runner.Resume(ctx, row.Scope, row.Key)
+	switch {
+	case err == nil && resp.Replayed:
+		return skipped // a client retry finished it first
+	case err == nil:
+		r.log.InfoContext(ctx, "stalled key resumed",
+			"scope", row.Scope, "key", row.Key, "workflow", row.Workflow, "response_status", resp.Status)
+		return resumed
+	case errors.Is(err, txn.ErrKeyInUse), errors.Is(err, txn.ErrKeyNotFound):
+		r.log.DebugContext(ctx, "stalled key taken by another attempt",
+			"scope", row.Scope, "key", row.Key, "workflow", row.Workflow)
+		return skipped
+	case ctx.Err() != nil:
+		return cancelled // released by txn; resumed by a later round
+	default:
+		r.log.WarnContext(ctx, "resume failed; key left resumable",
+			"scope", row.Scope, "key", row.Key, "workflow", row.Workflow, "error", err)
+		return failed
+	}
+}
+
+// Start runs a round at once and then every Config.Interval, in a goroutine,
+// until ctx ends or Stop is called. Each round's outcome is logged; a
+// round's error does not stop the loop. Start on a running Resumer returns
+// ErrAlreadyStarted.
+func (r *Resumer) Start(ctx context.Context) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.cancel != nil {
+		return fmt.Errorf("recovery: start: %w", ErrAlreadyStarted)
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	done := make(chan struct{})
+	r.cancel, r.done = cancel, done
+	go r.loop(ctx, done)
+	return nil
+}
+
+// Stop ends the loop Start began, abandoning the round in progress (a resume
+// in flight is cancelled and its key released at its last recovery point),
+// and returns when the loop has ended. It does nothing if not started.
+func (r *Resumer) Stop() {
+	r.mu.Lock()
+	cancel, done := r.cancel, r.done
+	r.cancel, r.done = nil, nil
+	r.mu.Unlock()
+	if cancel == nil {
+		return
+	}
+	cancel()
+	<-done
+}
+
+func (r *Resumer) loop(ctx context.Context, done chan<- struct{}) {
+	defer close(done)
+	t := time.NewTicker(r.cfg.Interval)
+	defer t.Stop()
+	for {
+		rep, err := r.RunOnce(ctx)
+		switch {
+		case err != nil && ctx.Err() != nil:
+			return
+		case err != nil:
+			r.log.ErrorContext(ctx, "recovery round failed", "error", err)
+		default:
+			level := slog.LevelInfo
+			if rep == (Report{}) {
+				level = slog.LevelDebug
+			}
+			r.log.Log(ctx, level, "recovery round",
+				"resumed", rep.Resumed, "failed_unknown_workflow", rep.FailedUnknownWorkflow,
+				"failed_max_attempts", rep.FailedMaxAttempts, "failed_max_age", rep.FailedMaxAge,
+				"errors", rep.Errors, "skipped", rep.Skipped, "left", rep.Left)
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+	}
+}
