@@ -7,6 +7,9 @@ import (
 	"fmt"
 	"hash/fnv"
 	"io/fs"
+	"sort"
+	"strconv"
+	"strings"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
@@ -66,21 +69,48 @@ func DownTo(ctx context.Context, pool *pgxpool.Pool, version int64) error {
 }
 
 // Check returns nil when the database has every migration this build embeds,
-// and an error wrapping [ErrSchemaBehind] naming the first missing one otherwise.
+// and an error wrapping [ErrSchemaBehind] naming the first missing one
+// otherwise. It only reads: it creates nothing, not even goose's table.
 func Check(ctx context.Context, pool *pgxpool.Pool) error {
-	p, closeFn, err := newProvider(ctx, pool)
+	if pool == nil {
+		return errors.New("migrations: pool is nil")
+	}
+	applied := map[int64]bool{}
+	var exists bool
+	if err := pool.QueryRow(ctx, "SELECT to_regclass($1) IS NOT NULL", TableName).Scan(&exists); err != nil {
+		return fmt.Errorf("migrations: check: %w", err)
+	}
+	if exists {
+		rows, err := pool.Query(ctx, "SELECT version_id, is_applied FROM "+TableName+" ORDER BY id")
+		if err != nil {
+			return fmt.Errorf("migrations: check: %w", err)
+		}
+		for rows.Next() {
+			var v int64
+			var ok bool
+			if err := rows.Scan(&v, &ok); err != nil {
+				return fmt.Errorf("migrations: check: %w", err)
+			}
+			applied[v] = ok // the latest row for a version decides
+		}
+		if err := rows.Err(); err != nil {
+			return fmt.Errorf("migrations: check: %w", err)
+		}
+	}
+	files, err := fs.Glob(FS, "*.sql")
 	if err != nil {
 		return err
 	}
-	defer closeFn()
-	statuses, err := p.Status(ctx)
-	if err != nil {
-		return fmt.Errorf("migrations: status: %w", err)
-	}
-	for _, s := range statuses {
-		if s.State == goose.StatePending {
+	sort.Strings(files)
+	for _, name := range files {
+		prefix, _, _ := strings.Cut(name, "_")
+		version, err := strconv.ParseInt(prefix, 10, 64)
+		if err != nil {
+			return fmt.Errorf("migrations: file %s has no version prefix", name)
+		}
+		if !applied[version] {
 			return fmt.Errorf("%w: migration %s (version %d) is not applied; run goose -table %s up",
-				ErrSchemaBehind, s.Source.Path, s.Source.Version, TableName)
+				ErrSchemaBehind, name, version, TableName)
 		}
 	}
 	return nil
