@@ -2,7 +2,6 @@ package pgtest
 
 import (
 	"bytes"
-	"io"
 	"net"
 	"strconv"
 	"sync"
@@ -27,6 +26,8 @@ type Proxy struct {
 
 	armCommit atomic.Bool
 	cutCommit chan struct{}
+	latency   atomic.Int64 // nanoseconds added before each forwarded chunk
+	refusing  atomic.Bool  // close new connections at once: the database is unreachable
 
 	mu    sync.Mutex
 	conns map[net.Conn]struct{}
@@ -76,6 +77,19 @@ func (p *Proxy) CutAfterNextCommit() { p.armCommit.Store(true) }
 // CommitCut is signalled each time an armed commit was cut.
 func (p *Proxy) CommitCut() <-chan struct{} { return p.cutCommit }
 
+// SetLatency delays every chunk forwarded in either direction by d.
+func (p *Proxy) SetLatency(d time.Duration) { p.latency.Store(int64(d)) }
+
+// Unreachable cuts every connection and refuses new ones until Reachable:
+// to the application, the database is gone.
+func (p *Proxy) Unreachable() {
+	p.refusing.Store(true)
+	p.CutAll()
+}
+
+// Reachable accepts connections again.
+func (p *Proxy) Reachable() { p.refusing.Store(false) }
+
 // CutAll closes every open connection through the proxy at once.
 func (p *Proxy) CutAll() {
 	p.mu.Lock()
@@ -109,6 +123,10 @@ func (p *Proxy) accept() {
 		if err != nil {
 			return
 		}
+		if p.refusing.Load() {
+			_ = client.Close()
+			continue
+		}
 		server, err := net.Dial(p.network, p.upstream)
 		if err != nil {
 			_ = client.Close()
@@ -123,7 +141,7 @@ func (p *Proxy) accept() {
 		}()
 		go func() {
 			defer p.wg.Done()
-			_, _ = io.Copy(client, server)
+			p.copyDelayed(client, server)
 			_ = client.Close()
 			_ = server.Close()
 			p.track(client, false)
@@ -141,6 +159,9 @@ func (p *Proxy) clientToServer(client, server net.Conn) {
 	for {
 		n, err := client.Read(buf)
 		if n > 0 {
+			if d := time.Duration(p.latency.Load()); d > 0 {
+				time.Sleep(d)
+			}
 			chunk := buf[:n]
 			cut := p.armCommit.Load() && bytes.Contains(chunk, commitMessage) && p.armCommit.CompareAndSwap(true, false)
 			if cut {
@@ -158,6 +179,25 @@ func (p *Proxy) clientToServer(client, server net.Conn) {
 				case p.cutCommit <- struct{}{}:
 				default:
 				}
+				return
+			}
+		}
+		if err != nil {
+			return
+		}
+	}
+}
+
+// copyDelayed copies src to dst, adding the configured latency per chunk.
+func (p *Proxy) copyDelayed(dst, src net.Conn) {
+	buf := make([]byte, 64<<10)
+	for {
+		n, err := src.Read(buf)
+		if n > 0 {
+			if d := time.Duration(p.latency.Load()); d > 0 {
+				time.Sleep(d)
+			}
+			if _, werr := dst.Write(buf[:n]); werr != nil {
 				return
 			}
 		}
