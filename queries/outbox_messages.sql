@@ -92,20 +92,23 @@ LIMIT sqlc.arg(batch_size)::integer
 FOR UPDATE OF m;
 
 -- name: MarkPublished :exec
--- Records successful publishes, in the claiming transaction.
+-- Records successful publishes, in the claiming transaction, at the time of
+-- this statement (after the publisher's acknowledgement), by the database
+-- clock.
 UPDATE outbox_messages
-SET published_at = now(), attempts = attempts + 1
+SET published_at = statement_timestamp(), attempts = attempts + 1
 WHERE id = ANY(@ids::bigint[]) AND published_at IS NULL AND dead_at IS NULL;
 
 -- name: RecordFailures :exec
 -- Records failed publishes, in the claiming transaction: each row either
--- waits delay_us before its next attempt or is dead-lettered now.
+-- waits delay_us from this statement (after the failure) before its next
+-- attempt, or is dead-lettered now, by the database clock.
 UPDATE outbox_messages AS m
 SET attempts = m.attempts + 1,
     last_error = f.last_error,
     available_at = CASE WHEN f.dead THEN m.available_at
-                        ELSE now() + f.delay_us * interval '1 microsecond' END,
-    dead_at = CASE WHEN f.dead THEN now() END
+                        ELSE statement_timestamp() + f.delay_us * interval '1 microsecond' END,
+    dead_at = CASE WHEN f.dead THEN statement_timestamp() END
 FROM (
     SELECT unnest(@ids::bigint[]) AS id,
            unnest(@errors::text[]) AS last_error,
@@ -122,9 +125,10 @@ FROM outbox_messages
 WHERE published_at IS NULL AND dead_at IS NULL;
 
 -- name: NextDueIn :one
--- Seconds until the earliest message that is not yet due becomes due, or -1
--- when there is none. Lets an idle relay wake for retries and delayed
--- messages sooner than its poll interval.
+-- Seconds from now() until the earliest message not due at now() falls due,
+-- or -1 when there is none. Run in the transaction of a claim that found
+-- nothing, so now() is the claim's time; lets an idle relay wake for retries
+-- and delayed messages sooner than its poll interval.
 SELECT coalesce(extract(epoch FROM min(available_at) - now()), -1)::float8 AS due_in_seconds
 FROM outbox_messages
 WHERE published_at IS NULL AND dead_at IS NULL AND available_at > now();

@@ -171,11 +171,13 @@ func (q *Queries) EnqueueMessages(ctx context.Context, arg EnqueueMessagesParams
 
 const markPublished = `-- name: MarkPublished :exec
 UPDATE outbox_messages
-SET published_at = now(), attempts = attempts + 1
+SET published_at = statement_timestamp(), attempts = attempts + 1
 WHERE id = ANY($1::bigint[]) AND published_at IS NULL AND dead_at IS NULL
 `
 
-// Records successful publishes, in the claiming transaction.
+// Records successful publishes, in the claiming transaction, at the time of
+// this statement (after the publisher's acknowledgement), by the database
+// clock.
 func (q *Queries) MarkPublished(ctx context.Context, ids []int64) error {
 	_, err := q.db.Exec(ctx, markPublished, ids)
 	return err
@@ -187,9 +189,10 @@ FROM outbox_messages
 WHERE published_at IS NULL AND dead_at IS NULL AND available_at > now()
 `
 
-// Seconds until the earliest message that is not yet due becomes due, or -1
-// when there is none. Lets an idle relay wake for retries and delayed
-// messages sooner than its poll interval.
+// Seconds from now() until the earliest message not due at now() falls due,
+// or -1 when there is none. Run in the transaction of a claim that found
+// nothing, so now() is the claim's time; lets an idle relay wake for retries
+// and delayed messages sooner than its poll interval.
 func (q *Queries) NextDueIn(ctx context.Context) (float64, error) {
 	row := q.db.QueryRow(ctx, nextDueIn)
 	var due_in_seconds float64
@@ -217,8 +220,8 @@ UPDATE outbox_messages AS m
 SET attempts = m.attempts + 1,
     last_error = f.last_error,
     available_at = CASE WHEN f.dead THEN m.available_at
-                        ELSE now() + f.delay_us * interval '1 microsecond' END,
-    dead_at = CASE WHEN f.dead THEN now() END
+                        ELSE statement_timestamp() + f.delay_us * interval '1 microsecond' END,
+    dead_at = CASE WHEN f.dead THEN statement_timestamp() END
 FROM (
     SELECT unnest($1::bigint[]) AS id,
            unnest($2::text[]) AS last_error,
@@ -236,7 +239,8 @@ type RecordFailuresParams struct {
 }
 
 // Records failed publishes, in the claiming transaction: each row either
-// waits delay_us before its next attempt or is dead-lettered now.
+// waits delay_us from this statement (after the failure) before its next
+// attempt, or is dead-lettered now, by the database clock.
 func (q *Queries) RecordFailures(ctx context.Context, arg RecordFailuresParams) error {
 	_, err := q.db.Exec(ctx, recordFailures,
 		arg.Ids,

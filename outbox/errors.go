@@ -1,0 +1,82 @@
+package outbox
+
+import (
+	"errors"
+	"fmt"
+)
+
+// Sentinel errors, matched with errors.Is. Errors returned by this package
+// wrap them as "outbox: <what>: <detail>".
+var (
+	// ErrInvalidMessage: Enqueue was given a message it cannot store (see the
+	// more specific sentinels below, which errors returned for them also
+	// match). Nothing was written.
+	ErrInvalidMessage = errors.New("outbox: invalid message")
+
+	// ErrInvalidTopic: a message's topic is empty, longer than
+	// MaxTopicBytes, not valid UTF-8, or contains a control character.
+	// Nothing was written.
+	ErrInvalidTopic = errors.New("outbox: invalid topic")
+
+	// ErrPayloadTooLarge: a message's payload exceeds MaxPayloadBytes.
+	// Nothing was written.
+	ErrPayloadTooLarge = errors.New("outbox: payload too large")
+
+	// ErrInvalidHeader: a header name is empty or not an HTTP token, or a
+	// value is not valid UTF-8 or contains a control character other than
+	// horizontal tab (CR, LF and NUL included). Nothing was written.
+	ErrInvalidHeader = errors.New("outbox: invalid header")
+
+	// ErrInvalidConfig: New or a publisher constructor was given an unusable
+	// configuration.
+	ErrInvalidConfig = errors.New("outbox: invalid configuration")
+
+	// ErrRelayRunning: Start was called on a relay that is already running.
+	ErrRelayRunning = errors.New("outbox: relay already running")
+
+	// ErrPermanent marks a publish failure that retrying cannot fix (the
+	// receiver rejected the message). The relay dead-letters such a message
+	// at once instead of retrying it. Wrap an error with [Permanent].
+	ErrPermanent = errors.New("outbox: permanent publish failure")
+
+	// ErrInvalidSignature: VerifyWebhookSignature found no valid signature.
+	ErrInvalidSignature = errors.New("outbox: invalid webhook signature")
+)
+
+// Permanent wraps err so that errors.Is(result, ErrPermanent) holds, telling
+// the relay to dead-letter the message instead of retrying it. errors.Is and
+// errors.As still see err. Permanent(nil) returns nil.
+func Permanent(err error) error {
+	if err == nil {
+		return nil
+	}
+	return &permanentError{err: err}
+}
+
+type permanentError struct{ err error }
+
+func (e *permanentError) Error() string   { return "permanent: " + e.err.Error() }
+func (e *permanentError) Unwrap() []error { return []error{ErrPermanent, e.err} }
+
+// validationError reports a message Enqueue refused. It matches both its
+// specific sentinel and ErrInvalidMessage.
+type validationError struct {
+	specific error
+	index    int
+	detail   string
+}
+
+func (e *validationError) Error() string {
+	return fmt.Sprintf("%v: message %d: %s", e.specific, e.index, e.detail)
+}
+
+func (e *validationError) Unwrap() []error {
+	if e.specific == ErrInvalidMessage {
+		return []error{ErrInvalidMessage}
+	}
+	return []error{e.specific, ErrInvalidMessage}
+}
+
+func invalid(specific error, index int, format string, args ...any) error {
+	return &validationError{specific: specific, index: index, detail: fmt.Sprintf(format, args...)}
+}

@@ -1,0 +1,309 @@
+package outbox
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"slices"
+	"strconv"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"github.com/atomicphase/atomicphase/internal/pgtest"
+)
+
+// The NATS publisher publishes to prefix+topic with the message's headers
+// and Nats-Msg-Id = id, waits for the acknowledgement, and a republish of
+// the same id is dropped by the stream (and still counts as success). Bad
+// subjects fail permanently; a subject without a stream is retried.
+func TestNATSPublisherMsgIDAndDedup(t *testing.T) {
+	t.Parallel()
+	js := natsConn(t, natsURL(t))
+	ts := newTestStream(t, js)
+	ctx := context.Background()
+
+	pub, err := NewNATSPublisher(js, &NATSConfig{SubjectPrefix: ts.prefix})
+	require.NoError(t, err)
+	e := Envelope{ID: 42, Topic: "orders.created", Payload: []byte(`{"id":1}`), Headers: map[string]string{"X-Trace": "abc", "Nats-Msg-Id": "forged"}, Attempt: 1}
+	require.Equal(t, []error{nil}, pub.Publish(ctx, []Envelope{e}))
+	e.Attempt = 2
+	require.Equal(t, []error{nil}, pub.Publish(ctx, []Envelope{e}), "a duplicate is a success")
+
+	prefixed, err := NewNATSPublisher(js, &NATSConfig{SubjectPrefix: ts.prefix, MsgIDPrefix: "billing-"})
+	require.NoError(t, err)
+	require.Equal(t, "billing-42", prefixed.MsgID(42))
+	require.Equal(t, []error{nil}, prefixed.Publish(ctx, []Envelope{e}), "another outbox's message 42")
+
+	msgs := ts.messages(t)
+	require.Len(t, msgs, 2)
+	require.Equal(t, ts.prefix+"orders.created", msgs[0].subject)
+	require.Equal(t, "42", msgs[0].msgID)
+	require.Equal(t, `{"id":1}`, msgs[0].data)
+	require.Equal(t, "abc", msgs[0].headers.Get("X-Trace"))
+	require.Equal(t, "billing-42", msgs[1].msgID)
+
+	errs := pub.Publish(ctx, []Envelope{
+		{ID: 1, Topic: "has space"},
+		{ID: 2, Topic: "wild.*"},
+		{ID: 3, Topic: "trailing."},
+	})
+	for _, err := range errs {
+		require.ErrorIs(t, err, ErrPermanent)
+	}
+	noStream, err := NewNATSPublisher(js, &NATSConfig{SubjectPrefix: "nostream" + uniqueName() + "."})
+	require.NoError(t, err)
+	err = noStream.Publish(ctx, []Envelope{{ID: 1, Topic: "t"}})[0]
+	require.Error(t, err)
+	require.NotErrorIs(t, err, ErrPermanent)
+
+	_, err = NewNATSPublisher(nil, nil)
+	require.ErrorIs(t, err, ErrInvalidConfig)
+	_, err = NewNATSPublisher(js, &NATSConfig{SubjectPrefix: "a.>"})
+	require.ErrorIs(t, err, ErrInvalidConfig)
+}
+
+// The relay crashes after JetStream acknowledged the batch but before the
+// rows were marked: its database connection is killed right after
+// publishing, so the claim transaction never commits. After a new relay
+// runs, the stream holds each message exactly once (the republish is
+// dropped as a duplicate of its Nats-Msg-Id) and every row is published.
+// A lost acknowledgement (published, but reported failed) ends the same way.
+func TestRelayCrashAfterAckBeforeMark(t *testing.T) {
+	t.Parallel()
+	url := natsURL(t)
+
+	stage := func(t *testing.T, pool *pgxpool.Pool) []int64 {
+		for i := range 4 {
+			enqueue(t, pool,
+				Message{Topic: "evt", OrderingKey: "k" + strconv.Itoa(i), Payload: fmt.Appendf(nil, "k%d-1", i)},
+				Message{Topic: "evt", OrderingKey: "k" + strconv.Itoa(i), Payload: fmt.Appendf(nil, "k%d-2", i)},
+				Message{Topic: "evt", Payload: fmt.Appendf(nil, "u%d", i)})
+		}
+		var ids []int64
+		rows, err := pool.Query(context.Background(), "SELECT id FROM outbox_messages ORDER BY id")
+		require.NoError(t, err)
+		for rows.Next() {
+			var id int64
+			require.NoError(t, rows.Scan(&id))
+			ids = append(ids, id)
+		}
+		require.NoError(t, rows.Err())
+		return ids
+	}
+	verify := func(t *testing.T, d *pgtest.DB, ts *testStream, ids []int64, attempts int) {
+		msgs := ts.messages(t)
+		var got []int64
+		for _, m := range msgs {
+			id, err := strconv.ParseInt(m.msgID, 10, 64)
+			require.NoError(t, err)
+			got = append(got, id)
+		}
+		slices.Sort(got)
+		require.Equal(t, ids, got, "each message exactly once in the stream")
+		require.Equal(t, len(ids), d.Count(t,
+			"SELECT count(*) FROM outbox_messages WHERE published_at IS NOT NULL AND attempts = $1", attempts))
+	}
+
+	t.Run("process killed", func(t *testing.T) {
+		t.Parallel()
+		d := pgtest.New(t)
+		js := natsConn(t, url)
+		ts := newTestStream(t, js)
+		ids := stage(t, d.Pool)
+		nats, err := NewNATSPublisher(js, &NATSConfig{SubjectPrefix: ts.prefix})
+		require.NoError(t, err)
+
+		app := "crashing_" + uniqueName()
+		crashPool := d.NewPool(t, func(c *pgxpool.Config) { c.ConnConfig.RuntimeParams["application_name"] = app })
+		crashing := publisherFunc(func(ctx context.Context, msgs []Envelope) []error {
+			errs := nats.Publish(ctx, msgs)
+			// The process dies: its connection, and the claim transaction
+			// with it, are gone before anything is marked.
+			_, err := d.Pool.Exec(context.Background(),
+				"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1", app)
+			if err != nil {
+				return fill(len(msgs), err)
+			}
+			return errs
+		})
+		r := newTestRelay(t, crashPool, crashing, Config{})
+		_, err = r.RunOnce(context.Background())
+		require.Error(t, err)
+		require.Zero(t, d.Count(t, "SELECT count(*) FROM outbox_messages WHERE published_at IS NOT NULL OR attempts > 0"))
+		require.Len(t, ts.messages(t), len(ids), "JetStream has the whole batch")
+
+		restarted := newTestRelay(t, d.Pool, nats, Config{})
+		require.Equal(t, len(ids), drain(t, restarted))
+		verify(t, d, ts, ids, 1)
+	})
+
+	t.Run("acknowledgement lost", func(t *testing.T) {
+		t.Parallel()
+		d := pgtest.New(t)
+		js := natsConn(t, url)
+		ts := newTestStream(t, js)
+		ids := stage(t, d.Pool)
+		nats, err := NewNATSPublisher(js, &NATSConfig{SubjectPrefix: ts.prefix})
+		require.NoError(t, err)
+		var lost atomic.Bool
+		lossy := publisherFunc(func(ctx context.Context, msgs []Envelope) []error {
+			errs := nats.Publish(ctx, msgs)
+			if lost.CompareAndSwap(false, true) {
+				return fill(len(msgs), errors.New("ack lost"))
+			}
+			return errs
+		})
+		r := newTestRelay(t, d.Pool, lossy, Config{RetryBaseDelay: time.Millisecond, RetryMaxDelay: time.Millisecond})
+		eventually(t, func() bool {
+			_, err := r.RunOnce(context.Background())
+			require.NoError(t, err)
+			return d.Count(t, "SELECT count(*) FROM outbox_messages WHERE published_at IS NULL") == 0
+		})
+		// The first wave's messages (the heads and unordered ones) were
+		// published twice and stored once.
+		require.Equal(t, 8, d.Count(t, "SELECT count(*) FROM outbox_messages WHERE attempts = 2 AND last_error = 'ack lost'"))
+		msgs := ts.messages(t)
+		require.Len(t, msgs, len(ids))
+		var got []int64
+		for _, m := range msgs {
+			id, err := strconv.ParseInt(m.msgID, 10, 64)
+			require.NoError(t, err)
+			got = append(got, id)
+		}
+		slices.Sort(got)
+		require.Equal(t, ids, got)
+	})
+}
+
+// publisherFunc adapts a batch function to Publisher.
+type publisherFunc func(ctx context.Context, msgs []Envelope) []error
+
+func (f publisherFunc) Publish(ctx context.Context, msgs []Envelope) []error { return f(ctx, msgs) }
+
+// Four relays drain 10,000 messages on 100 ordering keys into JetStream
+// while eight producers commit them concurrently. Every message is
+// published, the stream holds each exactly once, and within each ordering
+// key the stream order is the commit order.
+//
+// Commit order is witnessed independently of the outbox: each producer
+// transaction increments a per-key counter row and stamps the value into its
+// messages. The row lock is held until commit, so the counter values of a
+// key increase in commit order, and the stream must hold them as 1, 2, 3...
+func TestRelayConcurrentDrainIntoJetStream(t *testing.T) {
+	t.Parallel()
+	const (
+		total     = 10000
+		keys      = 100
+		producers = 8
+		relays    = 4
+	)
+	d := pgtest.New(t)
+	url := natsURL(t)
+	ts := newTestStream(t, natsConn(t, url))
+	ctx := context.Background()
+	_, err := d.Pool.Exec(ctx, `CREATE TABLE drain_seq (ordering_key text PRIMARY KEY, n integer NOT NULL DEFAULT 0);
+		INSERT INTO drain_seq (ordering_key) SELECT 'key-' || i FROM generate_series(0, 99) AS i`)
+	require.NoError(t, err)
+
+	all := make([]*Relay, relays)
+	for i := range all {
+		pub, err := NewNATSPublisher(natsConn(t, url), &NATSConfig{SubjectPrefix: ts.prefix})
+		require.NoError(t, err)
+		all[i] = newTestRelay(t, d.Pool, pub, Config{PollInterval: 100 * time.Millisecond})
+		start(t, all[i])
+	}
+
+	// The producers' commits need not wait for the disk: commit order, which
+	// is what the test checks, is the same either way.
+	producerPool := d.NewPool(t, func(c *pgxpool.Config) { c.ConnConfig.RuntimeParams["synchronous_commit"] = "off" })
+
+	began := time.Now()
+	var left atomic.Int64
+	left.Store(total)
+	produce := func() error {
+		for {
+			n := int64(1 + rand.IntN(6))
+			if rest := left.Add(-n); rest < 0 {
+				n += rest
+				if n <= 0 {
+					return nil
+				}
+			}
+			msgKeys := make([]string, n)
+			for i := range msgKeys {
+				msgKeys[i] = "key-" + strconv.Itoa(rand.IntN(keys))
+			}
+			slices.Sort(msgKeys) // counter rows locked in one order: no deadlocks
+			tx, err := producerPool.Begin(ctx)
+			if err != nil {
+				return err
+			}
+			msgs := make([]Message, n)
+			for i, k := range msgKeys {
+				var seq int
+				if err := tx.QueryRow(ctx, "UPDATE drain_seq SET n = n + 1 WHERE ordering_key = $1 RETURNING n", k).Scan(&seq); err != nil {
+					_ = tx.Rollback(ctx)
+					return err
+				}
+				msgs[i] = Message{Topic: "drain", OrderingKey: k, Payload: fmt.Appendf(nil, "%s/%d", k, seq)}
+			}
+			if err := Enqueue(ctx, tx, msgs...); err != nil {
+				_ = tx.Rollback(ctx)
+				return err
+			}
+			if err := tx.Commit(ctx); err != nil {
+				return err
+			}
+		}
+	}
+	errs := make(chan error, producers)
+	for range producers {
+		go func() { errs <- produce() }()
+	}
+	for range producers {
+		require.NoError(t, <-errs)
+	}
+	enqueued := time.Since(began)
+
+	eventually(t, func() bool {
+		return d.Count(t, "SELECT count(*) FROM outbox_messages WHERE published_at IS NOT NULL") == total
+	})
+	drained := time.Since(began)
+	var perRelay []uint64
+	for _, r := range all {
+		s, err := r.Stats(ctx)
+		require.NoError(t, err)
+		perRelay = append(perRelay, s.Published)
+		require.Zero(t, s.Retried+s.Dead)
+	}
+	t.Logf("%d messages: enqueued by %d producers in %v, all published by %d relays after %v (%.0f msg/s); per relay %v",
+		total, producers, enqueued.Round(time.Millisecond), relays, drained.Round(time.Millisecond),
+		total/drained.Seconds(), perRelay)
+
+	msgs := ts.messages(t)
+	require.Len(t, msgs, total, "each message once in the stream")
+	seen := make(map[string]bool, total)
+	next := make(map[string]int, keys)
+	for _, m := range msgs {
+		require.False(t, seen[m.msgID], "message %s twice in the stream", m.msgID)
+		seen[m.msgID] = true
+		key, seqText, ok := strings.Cut(m.data, "/")
+		require.True(t, ok)
+		seq, err := strconv.Atoi(seqText)
+		require.NoError(t, err)
+		require.Equal(t, next[key]+1, seq, "key %s out of commit order", key)
+		next[key] = seq
+	}
+	var committed int
+	for _, n := range next {
+		committed += n
+	}
+	require.Equal(t, total, committed)
+	require.Equal(t, total, d.Count(t, "SELECT sum(n) FROM drain_seq"))
+}

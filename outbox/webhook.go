@@ -1,0 +1,213 @@
+package outbox
+
+import (
+	"bytes"
+	"context"
+	"crypto/hmac"
+	"crypto/sha256"
+	"encoding/hex"
+	"fmt"
+	"io"
+	"net/http"
+	"net/url"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+)
+
+// Headers of a webhook call.
+const (
+	// HeaderIdempotencyKey carries the message id in decimal: the same on
+	// every retry of a message, so receivers deduplicate on it.
+	HeaderIdempotencyKey = "Idempotency-Key"
+	// HeaderWebhookTimestamp carries the send time in Unix seconds.
+	HeaderWebhookTimestamp = "Webhook-Timestamp"
+	// HeaderWebhookSignature carries "v1=" and the hex HMAC-SHA256, keyed
+	// with the shared secret, of the timestamp, ".", and the body.
+	HeaderWebhookSignature = "Webhook-Signature"
+	// HeaderWebhookTopic carries the message's topic.
+	HeaderWebhookTopic = "Webhook-Topic"
+)
+
+// WebhookConfig configures a WebhookPublisher.
+type WebhookConfig struct {
+	// URL receives one POST per message. Required; http or https.
+	URL string
+
+	// Secret keys the HMAC-SHA256 signature of every call. Required: share
+	// it with the receiver, which checks calls with VerifyWebhookSignature.
+	Secret []byte
+
+	// Client sends the calls. Default: a client that does not follow
+	// redirects (a redirect is answered as the 3xx status it is).
+	Client *http.Client
+
+	// Timeout bounds one call, from sending the request to reading the
+	// response; a call that runs out of time is retried. Default: 10 seconds.
+	// Keep it below the relay's PublishTimeout.
+	Timeout time.Duration
+
+	// Concurrency bounds how many calls one Publish makes at once (the
+	// messages of one call never share an ordering key). Default: 4.
+	Concurrency int
+}
+
+// WebhookPublisher POSTs each message to a URL.
+//
+// The request body is the payload. The message's headers become request
+// headers, then the publisher sets Content-Type (application/octet-stream,
+// unless the message has its own), Idempotency-Key (the message id),
+// Webhook-Topic, Webhook-Timestamp (Unix seconds) and Webhook-Signature:
+//
+//	"v1=" + hex(HMAC-SHA256(Secret, timestamp + "." + body))
+//
+// A 2xx answer is success. 408, 429 and 5xx answers, timeouts and network
+// errors are retried. Any other answer (4xx, or an unfollowed 3xx) is a
+// permanent failure: the relay dead-letters the message.
+type WebhookPublisher struct {
+	url    string
+	secret []byte
+	client *http.Client
+	cfg    WebhookConfig
+	now    func() time.Time
+}
+
+// NewWebhookPublisher returns a publisher that calls cfg.URL.
+func NewWebhookPublisher(cfg WebhookConfig) (*WebhookPublisher, error) {
+	u, err := url.Parse(cfg.URL)
+	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+		return nil, fmt.Errorf("%w: webhook URL %q is not an absolute http(s) URL", ErrInvalidConfig, cfg.URL)
+	}
+	if len(cfg.Secret) == 0 {
+		return nil, fmt.Errorf("%w: webhook Secret is empty", ErrInvalidConfig)
+	}
+	if cfg.Timeout < 0 || cfg.Concurrency < 0 {
+		return nil, fmt.Errorf("%w: negative webhook Timeout or Concurrency", ErrInvalidConfig)
+	}
+	if cfg.Timeout == 0 {
+		cfg.Timeout = 10 * time.Second
+	}
+	if cfg.Concurrency == 0 {
+		cfg.Concurrency = 4
+	}
+	client := cfg.Client
+	if client == nil {
+		client = &http.Client{
+			CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse },
+		}
+	}
+	secret := bytes.Clone(cfg.Secret)
+	cfg.Secret = nil
+	return &WebhookPublisher{
+		url:    cfg.URL,
+		secret: secret,
+		client: client,
+		cfg:    cfg,
+		now:    time.Now,
+	}, nil
+}
+
+// Publish implements Publisher.
+func (p *WebhookPublisher) Publish(ctx context.Context, msgs []Envelope) []error {
+	errs := make([]error, len(msgs))
+	sem := make(chan struct{}, p.cfg.Concurrency)
+	var wg sync.WaitGroup
+	for i := range msgs {
+		select {
+		case sem <- struct{}{}:
+		case <-ctx.Done():
+			errs[i] = ctx.Err()
+			continue
+		}
+		wg.Go(func() {
+			defer func() { <-sem }()
+			errs[i] = p.call(ctx, &msgs[i])
+		})
+	}
+	wg.Wait()
+	return errs
+}
+
+func (p *WebhookPublisher) call(ctx context.Context, e *Envelope) error {
+	ctx, cancel := context.WithTimeout(ctx, p.cfg.Timeout)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, p.url, bytes.NewReader(e.Payload))
+	if err != nil {
+		return Permanent(fmt.Errorf("webhook: %w", err))
+	}
+	for k, v := range e.Headers {
+		req.Header.Set(k, v)
+	}
+	if req.Header.Get("Content-Type") == "" {
+		req.Header.Set("Content-Type", "application/octet-stream")
+	}
+	ts := strconv.FormatInt(p.now().Unix(), 10)
+	req.Header.Set(HeaderIdempotencyKey, strconv.FormatInt(e.ID, 10))
+	req.Header.Set(HeaderWebhookTopic, e.Topic)
+	req.Header.Set(HeaderWebhookTimestamp, ts)
+	req.Header.Set(HeaderWebhookSignature, "v1="+hex.EncodeToString(sign(p.secret, ts, e.Payload)))
+
+	resp, err := p.client.Do(req)
+	if err != nil {
+		// Timeouts, refused connections, resets: all worth retrying.
+		return fmt.Errorf("webhook: %w", err)
+	}
+	defer resp.Body.Close()
+	snippet, _ := io.ReadAll(io.LimitReader(resp.Body, 256))
+	_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 64<<10)) // lets the connection be reused
+	code := resp.StatusCode
+	switch {
+	case code >= 200 && code < 300:
+		return nil
+	case code == http.StatusRequestTimeout, code == http.StatusTooManyRequests, code >= 500:
+		return fmt.Errorf("webhook: %s: %s", resp.Status, strings.TrimSpace(string(snippet)))
+	default:
+		return Permanent(fmt.Errorf("webhook: %s: %s", resp.Status, strings.TrimSpace(string(snippet))))
+	}
+}
+
+func sign(secret []byte, timestamp string, body []byte) []byte {
+	mac := hmac.New(sha256.New, secret)
+	mac.Write([]byte(timestamp))
+	mac.Write([]byte{'.'})
+	mac.Write(body)
+	return mac.Sum(nil)
+}
+
+// VerifyWebhookSignature checks a webhook call for a receiver: timestamp is
+// the Webhook-Timestamp header, body the raw request body, and header the
+// Webhook-Signature header. It returns nil when header holds a "v1="
+// signature (several may be listed, separated by spaces or commas, as while
+// a secret is rotated) that matches secret, and an error matching
+// ErrInvalidSignature otherwise. The comparison takes constant time.
+//
+// The signature proves the sender knows the secret and that body and
+// timestamp are unchanged. Receivers should also reject timestamps far from
+// their clock (say, more than five minutes) against replays, and deduplicate
+// on the Idempotency-Key header, which repeats when a message is redelivered.
+func VerifyWebhookSignature(secret []byte, timestamp string, body []byte, header string) error {
+	if len(secret) == 0 {
+		return fmt.Errorf("%w: empty secret", ErrInvalidSignature)
+	}
+	if _, err := strconv.ParseInt(timestamp, 10, 64); err != nil {
+		return fmt.Errorf("%w: timestamp %q is not Unix seconds", ErrInvalidSignature, timestamp)
+	}
+	want := sign(secret, timestamp, body)
+	found := false
+	for field := range strings.FieldsFuncSeq(header, func(r rune) bool { return r == ' ' || r == ',' }) {
+		sig, ok := strings.CutPrefix(field, "v1=")
+		if !ok {
+			continue
+		}
+		found = true
+		got, err := hex.DecodeString(sig)
+		if err == nil && hmac.Equal(got, want) {
+			return nil
+		}
+	}
+	if !found {
+		return fmt.Errorf("%w: no v1 signature in header", ErrInvalidSignature)
+	}
+	return fmt.Errorf("%w: signature does not match", ErrInvalidSignature)
+}

@@ -1,0 +1,232 @@
+package outbox
+
+import (
+	"context"
+	"crypto/hmac"
+	"crypto/sha256"
+	"encoding/hex"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/atomicphase/atomicphase/internal/pgtest"
+)
+
+var testSecret = []byte("whsec_test_0123456789")
+
+// receivedCall is what a test webhook receiver saw.
+type receivedCall struct {
+	header      http.Header
+	body        string
+	verifyError error
+}
+
+// receiver is an httptest server that verifies signatures and answers with
+// the statuses of answer, in turn, then 204.
+type receiver struct {
+	*httptest.Server
+	mu     sync.Mutex
+	calls  []receivedCall
+	answer func(call int, w http.ResponseWriter, r *http.Request)
+}
+
+func newReceiver(t *testing.T, answer func(call int, w http.ResponseWriter, r *http.Request)) *receiver {
+	rcv := &receiver{answer: answer}
+	rcv.Server = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		body, _ := io.ReadAll(r.Body)
+		rcv.mu.Lock()
+		rcv.calls = append(rcv.calls, receivedCall{
+			header: r.Header.Clone(),
+			body:   string(body),
+			verifyError: VerifyWebhookSignature(testSecret,
+				r.Header.Get(HeaderWebhookTimestamp), body, r.Header.Get(HeaderWebhookSignature)),
+		})
+		n := len(rcv.calls)
+		rcv.mu.Unlock()
+		if rcv.answer != nil {
+			rcv.answer(n, w, r)
+			return
+		}
+		w.WriteHeader(http.StatusNoContent)
+	}))
+	t.Cleanup(rcv.Close)
+	return rcv
+}
+
+func (rcv *receiver) received() []receivedCall {
+	rcv.mu.Lock()
+	defer rcv.mu.Unlock()
+	return append([]receivedCall(nil), rcv.calls...)
+}
+
+func newWebhook(t *testing.T, url string, timeout time.Duration) *WebhookPublisher {
+	t.Helper()
+	p, err := NewWebhookPublisher(WebhookConfig{URL: url, Secret: testSecret, Timeout: timeout})
+	require.NoError(t, err)
+	return p
+}
+
+// A relayed webhook call carries the payload as body, the message id as
+// Idempotency-Key, the topic, the message's headers, and a signature the
+// receiver verifies with the shared secret.
+func TestWebhookDeliversSignedCall(t *testing.T) {
+	t.Parallel()
+	d := pgtest.New(t)
+	rcv := newReceiver(t, nil)
+	enqueue(t, d.Pool, Message{
+		Topic:   "invoice.paid",
+		Payload: []byte(`{"invoice":"in_1"}`),
+		Headers: map[string]string{"Content-Type": "application/json", "X-Trace": "t-1"},
+	})
+	r := newTestRelay(t, d.Pool, newWebhook(t, rcv.URL, 0), Config{})
+	require.Equal(t, 1, drain(t, r))
+
+	calls := rcv.received()
+	require.Len(t, calls, 1)
+	c := calls[0]
+	require.NoError(t, c.verifyError)
+	require.Equal(t, `{"invoice":"in_1"}`, c.body)
+	var id int64
+	require.NoError(t, d.Pool.QueryRow(context.Background(), "SELECT id FROM outbox_messages").Scan(&id))
+	require.Equal(t, strconv.FormatInt(id, 10), c.header.Get(HeaderIdempotencyKey))
+	require.Equal(t, "invoice.paid", c.header.Get(HeaderWebhookTopic))
+	require.Equal(t, "application/json", c.header.Get("Content-Type"))
+	require.Equal(t, "t-1", c.header.Get("X-Trace"))
+	ts, err := strconv.ParseInt(c.header.Get(HeaderWebhookTimestamp), 10, 64)
+	require.NoError(t, err)
+	require.InDelta(t, time.Now().Unix(), ts, 300)
+	require.Equal(t, 1, d.Count(t, "SELECT count(*) FROM outbox_messages WHERE published_at IS NOT NULL"))
+}
+
+// 410 Gone is permanent: dead-lettered after one attempt. 503 is retried
+// until the receiver accepts. 429 and 408 are retried; 400 is permanent.
+func TestWebhookStatusHandling(t *testing.T) {
+	t.Parallel()
+	cases := []struct {
+		name     string
+		statuses []int // answered in turn, then 204
+		attempts int
+		dead     bool
+	}{
+		{"410 dead-letters", []int{http.StatusGone}, 1, true},
+		{"400 dead-letters", []int{http.StatusBadRequest}, 1, true},
+		{"503 retries", []int{http.StatusServiceUnavailable, http.StatusServiceUnavailable}, 3, false},
+		{"429 retries", []int{http.StatusTooManyRequests}, 2, false},
+		{"408 retries", []int{http.StatusRequestTimeout}, 2, false},
+		{"302 is not followed and dead-letters", []int{http.StatusFound}, 1, true},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			d := pgtest.New(t)
+			rcv := newReceiver(t, func(call int, w http.ResponseWriter, r *http.Request) {
+				if call <= len(tc.statuses) {
+					if tc.statuses[call-1] == http.StatusFound {
+						w.Header().Set("Location", "/elsewhere")
+					}
+					w.WriteHeader(tc.statuses[call-1])
+					_, _ = io.WriteString(w, "no thanks")
+					return
+				}
+				w.WriteHeader(http.StatusOK)
+			})
+			enqueue(t, d.Pool, Message{Topic: "t", Payload: []byte("x")})
+			r := newTestRelay(t, d.Pool, newWebhook(t, rcv.URL, 0), Config{MaxAttempts: 5})
+			eventually(t, func() bool {
+				_, err := r.RunOnce(context.Background())
+				require.NoError(t, err)
+				return d.Count(t, "SELECT count(*) FROM outbox_messages WHERE published_at IS NULL AND dead_at IS NULL") == 0
+			})
+			require.Len(t, rcv.received(), tc.attempts)
+			want := "published_at IS NOT NULL"
+			if tc.dead {
+				want = "dead_at IS NOT NULL AND last_error LIKE '%no thanks%'"
+			}
+			require.Equal(t, 1, d.Count(t, "SELECT count(*) FROM outbox_messages WHERE attempts = $1 AND "+want, tc.attempts))
+		})
+	}
+}
+
+// A receiver that does not answer within the timeout fails the attempt,
+// which is retried and then succeeds.
+func TestWebhookTimeoutIsRetried(t *testing.T) {
+	t.Parallel()
+	d := pgtest.New(t)
+	var stalled atomic.Bool
+	rcv := newReceiver(t, func(call int, w http.ResponseWriter, r *http.Request) {
+		if call == 1 {
+			stalled.Store(true)
+			<-r.Context().Done() // hangs until the publisher gives up
+			return
+		}
+		w.WriteHeader(http.StatusOK)
+	})
+	enqueue(t, d.Pool, Message{Topic: "t", Payload: []byte("slow")})
+	r := newTestRelay(t, d.Pool, newWebhook(t, rcv.URL, 150*time.Millisecond), Config{})
+
+	n, err := r.RunOnce(context.Background())
+	require.NoError(t, err)
+	require.Zero(t, n)
+	require.True(t, stalled.Load())
+	require.Equal(t, 1, d.Count(t, `SELECT count(*) FROM outbox_messages
+		WHERE attempts = 1 AND published_at IS NULL AND dead_at IS NULL AND last_error LIKE '%deadline exceeded%'`))
+	eventually(t, func() bool {
+		n, err := r.RunOnce(context.Background())
+		require.NoError(t, err)
+		return n == 1
+	})
+	require.Len(t, rcv.received(), 2)
+	require.Equal(t, 1, d.Count(t, "SELECT count(*) FROM outbox_messages WHERE attempts = 2 AND published_at IS NOT NULL"))
+}
+
+// VerifyWebhookSignature accepts exactly the signatures made with the
+// secret over this timestamp and body.
+func TestVerifyWebhookSignature(t *testing.T) {
+	t.Parallel()
+	body := []byte(`{"a":1}`)
+	mac := hmac.New(sha256.New, testSecret)
+	mac.Write([]byte("1700000000." + string(body)))
+	good := "v1=" + hex.EncodeToString(mac.Sum(nil))
+
+	require.NoError(t, VerifyWebhookSignature(testSecret, "1700000000", body, good))
+	require.NoError(t, VerifyWebhookSignature(testSecret, "1700000000", body, "v1=00ff, "+good), "any listed signature")
+	for name, tc := range map[string]struct {
+		secret    []byte
+		timestamp string
+		body      []byte
+		header    string
+	}{
+		"tampered body":          {testSecret, "1700000000", []byte(`{"a":2}`), good},
+		"other timestamp":        {testSecret, "1700000001", body, good},
+		"wrong secret":           {[]byte("other"), "1700000000", body, good},
+		"empty secret":           {nil, "1700000000", body, good},
+		"no v1 signature":        {testSecret, "1700000000", body, "v0=" + good[3:]},
+		"empty header":           {testSecret, "1700000000", body, ""},
+		"not hex":                {testSecret, "1700000000", body, "v1=zz"},
+		"timestamp not a number": {testSecret, "17e8", body, good},
+	} {
+		require.ErrorIs(t, VerifyWebhookSignature(tc.secret, tc.timestamp, tc.body, tc.header), ErrInvalidSignature, name)
+	}
+}
+
+// NewWebhookPublisher validates its configuration.
+func TestNewWebhookPublisherValidates(t *testing.T) {
+	t.Parallel()
+	for _, cfg := range []WebhookConfig{
+		{URL: "", Secret: testSecret},
+		{URL: "ftp://example.invalid/hook", Secret: testSecret},
+		{URL: "/relative", Secret: testSecret},
+		{URL: "http://127.0.0.1/hook"},
+		{URL: "http://127.0.0.1/hook", Secret: testSecret, Timeout: -1},
+	} {
+		_, err := NewWebhookPublisher(cfg)
+		require.ErrorIs(t, err, ErrInvalidConfig, "%+v", cfg)
+	}
+}
