@@ -5,12 +5,12 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
-	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/atomicphase/atomicphase/internal/db"
+	"github.com/atomicphase/atomicphase/internal/service"
 )
 
 // The expiry window of idempotency keys: Config.TTL must lie within it.
@@ -72,9 +72,7 @@ type Cleaner struct {
 	cfg  Config
 	log  *slog.Logger
 
-	mu     sync.Mutex
-	cancel context.CancelFunc
-	done   chan struct{}
+	loop service.Loop
 }
 
 // New returns a Cleaner over pool. cfg may be nil. Invalid values give an
@@ -230,56 +228,32 @@ func wrap(ctx context.Context, op string, err error) error {
 // round's error does not stop the loop. Start on a running Cleaner returns
 // ErrAlreadyStarted.
 func (c *Cleaner) Start(ctx context.Context) error {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if c.cancel != nil {
+	if !c.loop.Start(ctx, c.cfg.Interval, c.round) {
 		return fmt.Errorf("cleanup: start: %w", ErrAlreadyStarted)
 	}
-	ctx, cancel := context.WithCancel(ctx)
-	done := make(chan struct{})
-	c.cancel, c.done = cancel, done
-	go c.loop(ctx, done)
 	return nil
 }
 
 // Stop ends the loop Start began, stopping the round in progress after its
 // batch in flight, and returns when the loop has ended. It does nothing if not started.
-func (c *Cleaner) Stop() {
-	c.mu.Lock()
-	cancel, done := c.cancel, c.done
-	c.cancel, c.done = nil, nil
-	c.mu.Unlock()
-	if cancel == nil {
-		return
-	}
-	cancel()
-	<-done
-}
+func (c *Cleaner) Stop() { c.loop.Stop() }
 
-func (c *Cleaner) loop(ctx context.Context, done chan<- struct{}) {
-	defer close(done)
-	t := time.NewTicker(c.cfg.Interval)
-	defer t.Stop()
-	for {
-		rep, err := c.RunOnce(ctx)
-		switch {
-		case err != nil && ctx.Err() != nil:
-			return
-		case err != nil:
-			c.log.ErrorContext(ctx, "cleanup round failed", "error", err,
-				"keys_deleted", rep.KeysDeleted, "outbox_deleted", rep.OutboxDeleted)
-		default:
-			level := slog.LevelInfo
-			if rep.KeysDeleted == 0 && rep.OutboxDeleted == 0 {
-				level = slog.LevelDebug
-			}
-			c.log.Log(ctx, level, "cleanup round", "keys_deleted", rep.KeysDeleted,
-				"outbox_deleted", rep.OutboxDeleted, "batches", rep.Batches, "skipped", rep.Skipped)
+// round runs one round for the Start loop and logs its outcome; an error
+// does not stop the loop.
+func (c *Cleaner) round(ctx context.Context) {
+	rep, err := c.RunOnce(ctx)
+	switch {
+	case err != nil && ctx.Err() != nil:
+		return // stopped
+	case err != nil:
+		c.log.ErrorContext(ctx, "cleanup round failed", "error", err,
+			"keys_deleted", rep.KeysDeleted, "outbox_deleted", rep.OutboxDeleted)
+	default:
+		level := slog.LevelInfo
+		if rep.KeysDeleted == 0 && rep.OutboxDeleted == 0 {
+			level = slog.LevelDebug
 		}
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-		}
+		c.log.Log(ctx, level, "cleanup round", "keys_deleted", rep.KeysDeleted,
+			"outbox_deleted", rep.OutboxDeleted, "batches", rep.Batches, "skipped", rep.Skipped)
 	}
 }

@@ -15,6 +15,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/atomicphase/atomicphase/internal/db"
+	"github.com/atomicphase/atomicphase/internal/service"
 	"github.com/atomicphase/atomicphase/txn"
 )
 
@@ -124,9 +125,7 @@ type Resumer struct {
 	headers []byte
 	bodies  map[string][]byte
 
-	mu     sync.Mutex
-	cancel context.CancelFunc
-	done   chan struct{}
+	loop service.Loop
 }
 
 // New returns a Resumer over pool that resumes keys with the workflows in
@@ -415,58 +414,34 @@ func (r *Resumer) resume(ctx context.Context, row db.ClaimStalledKeysRow) outcom
 // round's error does not stop the loop. Start on a running Resumer returns
 // ErrAlreadyStarted.
 func (r *Resumer) Start(ctx context.Context) error {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	if r.cancel != nil {
+	if !r.loop.Start(ctx, r.cfg.Interval, r.round) {
 		return fmt.Errorf("recovery: start: %w", ErrAlreadyStarted)
 	}
-	ctx, cancel := context.WithCancel(ctx)
-	done := make(chan struct{})
-	r.cancel, r.done = cancel, done
-	go r.loop(ctx, done)
 	return nil
 }
 
 // Stop ends the loop Start began, abandoning the round in progress (a resume
 // in flight is cancelled and its key released at its last recovery point),
 // and returns when the loop has ended. It does nothing if not started.
-func (r *Resumer) Stop() {
-	r.mu.Lock()
-	cancel, done := r.cancel, r.done
-	r.cancel, r.done = nil, nil
-	r.mu.Unlock()
-	if cancel == nil {
-		return
-	}
-	cancel()
-	<-done
-}
+func (r *Resumer) Stop() { r.loop.Stop() }
 
-func (r *Resumer) loop(ctx context.Context, done chan<- struct{}) {
-	defer close(done)
-	t := time.NewTicker(r.cfg.Interval)
-	defer t.Stop()
-	for {
-		rep, err := r.RunOnce(ctx)
-		switch {
-		case err != nil && ctx.Err() != nil:
-			return
-		case err != nil:
-			r.log.ErrorContext(ctx, "recovery round failed", "error", err)
-		default:
-			level := slog.LevelInfo
-			if rep == (Report{}) {
-				level = slog.LevelDebug
-			}
-			r.log.Log(ctx, level, "recovery round",
-				"resumed", rep.Resumed, "failed_unknown_workflow", rep.FailedUnknownWorkflow,
-				"failed_max_attempts", rep.FailedMaxAttempts, "failed_max_age", rep.FailedMaxAge,
-				"errors", rep.Errors, "skipped", rep.Skipped, "left", rep.Left)
+// round runs one round for the Start loop and logs its outcome; an error
+// does not stop the loop.
+func (r *Resumer) round(ctx context.Context) {
+	rep, err := r.RunOnce(ctx)
+	switch {
+	case err != nil && ctx.Err() != nil:
+		return // stopped
+	case err != nil:
+		r.log.ErrorContext(ctx, "recovery round failed", "error", err)
+	default:
+		level := slog.LevelInfo
+		if rep == (Report{}) {
+			level = slog.LevelDebug
 		}
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-		}
+		r.log.Log(ctx, level, "recovery round",
+			"resumed", rep.Resumed, "failed_unknown_workflow", rep.FailedUnknownWorkflow,
+			"failed_max_attempts", rep.FailedMaxAttempts, "failed_max_age", rep.FailedMaxAge,
+			"errors", rep.Errors, "skipped", rep.Skipped, "left", rep.Left)
 	}
 }
