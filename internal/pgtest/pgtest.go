@@ -41,7 +41,17 @@ var (
 	serverURL  string
 	serverErr  error
 	teardown   func()
+	atExit     []func()
+	atExitMu   sync.Mutex
 )
+
+// AtExit registers f to run when Main ends, after the tests and before the
+// shared server stops (e.g. to remove binaries a package's tests built).
+func AtExit(f func()) {
+	atExitMu.Lock()
+	defer atExitMu.Unlock()
+	atExit = append(atExit, f)
+}
 
 // Main runs a package's tests, then stops any server this binary started and
 // fails the run if goroutines leaked. Call it from TestMain:
@@ -49,6 +59,11 @@ var (
 //	func TestMain(m *testing.M) { pgtest.Main(m) }
 func Main(m *testing.M, ignore ...goleak.Option) {
 	code := m.Run()
+	atExitMu.Lock()
+	for i := len(atExit) - 1; i >= 0; i-- {
+		atExit[i]()
+	}
+	atExitMu.Unlock()
 	if teardown != nil {
 		teardown()
 	}

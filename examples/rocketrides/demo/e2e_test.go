@@ -33,6 +33,8 @@ func binaries(t *testing.T) (string, string) {
 	buildOnce.Do(func() {
 		buildDir, buildErr = os.MkdirTemp("", "rocketrides-e2e")
 		if buildErr == nil {
+			dir := buildDir
+			pgtest.AtExit(func() { _ = os.RemoveAll(dir) })
 			serviceBin, providerBin, buildErr = buildBinaries(context.Background(), buildDir)
 		}
 	})
