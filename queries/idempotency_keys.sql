@@ -114,3 +114,23 @@ RETURNING ctid;
 UPDATE idempotency_keys
 SET lease_token = NULL, leased_until = NULL, last_run_at = now()
 WHERE id = @id AND lease_token = @lease_token AND status = 'running';
+
+-- name: FinishSingleKey :exec
+-- Ends a single-phase run: stores the response in the row the run inserted.
+-- It is sent in one round trip with COMMIT, so it must fail, not match
+-- nothing, if the row is not where the run left it: 1/count(*) raises
+-- division_by_zero on zero rows, which aborts the transaction and makes the
+-- pipelined COMMIT a no-op.
+WITH finished AS (
+    UPDATE idempotency_keys
+    SET status = 'finished',
+        recovery_point = 'finished',
+        response_status = @response_status,
+        response_headers = @response_headers,
+        response_body = @response_body,
+        finished_at = now(),
+        last_run_at = now()
+    WHERE ctid = @tid AND id = @id AND lease_token IS NULL AND status = 'running'
+    RETURNING 1
+)
+SELECT 1 / count(*)::integer FROM finished;

@@ -175,3 +175,21 @@ func TestFingerprintMatchesEquivalentJSONOnly(t *testing.T) {
 	require.NoError(t, json.Unmarshal(stored, &v))
 	require.Equal(t, "é/", v["a"])
 }
+
+// A function that rewrites its own key row breaks the single-phase run's
+// bookkeeping: nothing may commit then, although COMMIT is pipelined.
+func TestSinglePhaseCommitsNothingIfItsKeyRowChanged(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	_, err := e.runner.Run(ctx, chargeKey("k1", 1), func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+		if _, err := tx.Exec(ctx, `INSERT INTO charges (ref, amount) VALUES ('x', 1)`); err != nil {
+			return txn.Response{}, err
+		}
+		_, err := tx.Exec(ctx, `UPDATE idempotency_keys SET request_path = request_path`) // moves the row
+		return txn.Response{Status: 201}, err
+	})
+	require.Error(t, err)
+	require.Equal(t, 0, e.Count(t, `SELECT count(*) FROM charges`), "the business write did not commit")
+	require.Equal(t, 0, e.Count(t, `SELECT count(*) FROM idempotency_keys`))
+}

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/atomicphase/atomicphase/internal/db"
@@ -223,7 +224,14 @@ var errRaced = errors.New("txn: key inserted concurrently")
 var errWait = errors.New("txn: waited for holder")
 
 func (r *Runner) runSingle(ctx context.Context, req request, fn Func) (resp Response, err error) {
-	tx, err := r.pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.Serializable})
+	// The connection is acquired explicitly so that the last statement and
+	// COMMIT can go out in one round trip (see commitWith).
+	conn, err := r.pool.Acquire(ctx)
+	if err != nil {
+		return Response{}, fmt.Errorf("acquire: %w", err)
+	}
+	defer conn.Release()
+	tx, err := conn.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.Serializable})
 	if err != nil {
 		return Response{}, fmt.Errorf("begin: %w", err)
 	}
@@ -255,19 +263,75 @@ func (r *Runner) runSingle(ctx context.Context, req request, fn Func) (resp Resp
 		return Response{}, err
 	}
 	// By ctid: a TID scan takes no predicate lock on shared index pages.
-	_, err = q.FinishKey(ctx, db.FinishKeyParams{
-		Tid: ins.Ctid, ID: ins.ID, RecoveryPoint: pointFinished,
-		ResponseStatus: int4(resp.Status), ResponseHeaders: header, ResponseBody: resp.Body,
+	err = commitWith(ctx, tx, func(q *db.Queries) error {
+		return q.FinishSingleKey(ctx, db.FinishSingleKeyParams{
+			Tid: ins.Ctid, ID: ins.ID,
+			ResponseStatus: int4(resp.Status), ResponseHeaders: header, ResponseBody: resp.Body,
+		})
 	})
 	if err != nil {
-		return Response{}, fmt.Errorf("store response: %w", err)
-	}
-	if err := tx.Commit(ctx); err != nil {
-		return Response{}, fmt.Errorf("commit: %w", err)
+		return Response{}, err
 	}
 	resp.Replayed = false
 	return resp, nil
 }
+
+// commitWith sends the statement queue issues, then COMMIT, in one round
+// trip. The statement must fail (not match nothing) when its precondition
+// does not hold, since the COMMIT is already on its way: an error aborts the
+// transaction and turns the COMMIT into a no-op. tx must run on a connection
+// the caller acquired (not a pool transaction, which would wait for its own
+// Commit to release the connection); on success tx is committed and must not
+// be used again.
+func commitWith(ctx context.Context, tx pgx.Tx, queue func(q *db.Queries) error) error {
+	b := &pgx.Batch{}
+	if err := queue(db.New(batchQueue{b})); err != nil {
+		return err
+	}
+	b.Queue("commit")
+	br := tx.SendBatch(ctx, b)
+	if _, err := br.Exec(); err != nil {
+		_ = br.Close()
+		if pgerr.Code(err) == pgerr.DivisionByZero {
+			return fmt.Errorf("store response: the key row changed under the run (was it written by the function?): %w", err)
+		}
+		return fmt.Errorf("store response: %w", err)
+	}
+	tag, err := br.Exec()
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		return fmt.Errorf("commit: %w", err)
+	}
+	if tag.String() == "ROLLBACK" {
+		return fmt.Errorf("commit: %w", pgx.ErrTxCommitRollback)
+	}
+	return nil
+}
+
+// batchQueue is a db.DBTX that queues statements in a batch instead of
+// running them, so generated queries can be pipelined.
+type batchQueue struct{ b *pgx.Batch }
+
+func (q batchQueue) Exec(_ context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
+	q.b.Queue(sql, args...)
+	return pgconn.CommandTag{}, nil
+}
+
+func (q batchQueue) Query(_ context.Context, sql string, args ...any) (pgx.Rows, error) {
+	q.b.Queue(sql, args...)
+	return nil, errors.New("txn: a queued query has no rows yet")
+}
+
+func (q batchQueue) QueryRow(_ context.Context, sql string, args ...any) pgx.Row {
+	q.b.Queue(sql, args...)
+	return queuedRow{}
+}
+
+type queuedRow struct{}
+
+func (queuedRow) Scan(...any) error { return nil }
 
 // existing decides what to do with a key that is already stored: replay it,
 // reject the call, or (for workflow keys, via the caller) resume it.

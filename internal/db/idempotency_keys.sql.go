@@ -122,6 +122,46 @@ func (q *Queries) FinishKey(ctx context.Context, arg FinishKeyParams) (pgtype.TI
 	return ctid, err
 }
 
+const finishSingleKey = `-- name: FinishSingleKey :exec
+WITH finished AS (
+    UPDATE idempotency_keys
+    SET status = 'finished',
+        recovery_point = 'finished',
+        response_status = $1,
+        response_headers = $2,
+        response_body = $3,
+        finished_at = now(),
+        last_run_at = now()
+    WHERE ctid = $4 AND id = $5 AND lease_token IS NULL AND status = 'running'
+    RETURNING 1
+)
+SELECT 1 / count(*)::integer FROM finished
+`
+
+type FinishSingleKeyParams struct {
+	ResponseStatus  pgtype.Int4
+	ResponseHeaders []byte
+	ResponseBody    []byte
+	Tid             pgtype.TID
+	ID              int64
+}
+
+// Ends a single-phase run: stores the response in the row the run inserted.
+// It is sent in one round trip with COMMIT, so it must fail, not match
+// nothing, if the row is not where the run left it: 1/count(*) raises
+// division_by_zero on zero rows, which aborts the transaction and makes the
+// pipelined COMMIT a no-op.
+func (q *Queries) FinishSingleKey(ctx context.Context, arg FinishSingleKeyParams) error {
+	_, err := q.db.Exec(ctx, finishSingleKey,
+		arg.ResponseStatus,
+		arg.ResponseHeaders,
+		arg.ResponseBody,
+		arg.Tid,
+		arg.ID,
+	)
+	return err
+}
+
 const insertKey = `-- name: InsertKey :one
 INSERT INTO idempotency_keys (
     scope, key, fingerprint, request_method, request_path, request_params,

@@ -21,6 +21,7 @@ const (
 	CrashShutdown        = "57P02"
 	CannotConnectNow     = "57P03"
 	UndefinedTable       = "42P01"
+	DivisionByZero       = "22012"
 )
 
 // Code returns the SQLSTATE of err, or "" when err carries none.

@@ -12,9 +12,10 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
-// commitMessage is the simple-protocol Query message pgx sends to commit:
-// 'Q', length 11 (4 + "commit\0"), "commit\0".
-var commitMessage = []byte("Q\x00\x00\x00\x0bcommit\x00")
+// commitComplete is the server's CommandComplete message for a COMMIT:
+// 'C', length 11 (4 + "COMMIT\0"), "COMMIT\0". Seeing it on the way back
+// means the commit took effect, whichever protocol sent it.
+var commitComplete = []byte("C\x00\x00\x00\x0bCOMMIT\x00")
 
 // Proxy is a TCP proxy between a pool and the test server that can cut
 // connections at chosen moments, to test what callers see when the network
@@ -68,10 +69,9 @@ func (d *DB) NewProxy(tb testing.TB) (*Proxy, *pgxpool.Pool) {
 	return p, pool
 }
 
-// CutAfterNextCommit arms the proxy: the next COMMIT a client sends is
-// delivered to the server, and the client's connection is closed before the
-// server's answer reaches it. The commit takes effect; the client sees an
-// error. CommitCut is signalled when it happened.
+// CutAfterNextCommit arms the proxy: when the server next answers a COMMIT
+// (it took effect), the answer is dropped and the client's connection is
+// closed. The client sees an error. CommitCut is signalled when it happened.
 func (p *Proxy) CutAfterNextCommit() { p.armCommit.Store(true) }
 
 // CommitCut is signalled each time an armed commit was cut.
@@ -141,7 +141,7 @@ func (p *Proxy) accept() {
 		}()
 		go func() {
 			defer p.wg.Done()
-			p.copyDelayed(client, server)
+			p.copyDelayed(client, server, true)
 			_ = client.Close()
 			_ = server.Close()
 			p.track(client, false)
@@ -155,41 +155,12 @@ func (p *Proxy) clientToServer(client, server net.Conn) {
 		_ = client.Close()
 		_ = server.Close()
 	}()
-	buf := make([]byte, 64<<10)
-	for {
-		n, err := client.Read(buf)
-		if n > 0 {
-			if d := time.Duration(p.latency.Load()); d > 0 {
-				time.Sleep(d)
-			}
-			chunk := buf[:n]
-			cut := p.armCommit.Load() && bytes.Contains(chunk, commitMessage) && p.armCommit.CompareAndSwap(true, false)
-			if cut {
-				// The client must never see the server's answer: close its
-				// side first, then deliver the COMMIT and let the server
-				// process it before the server side is closed.
-				_ = client.Close()
-			}
-			if _, werr := server.Write(chunk); werr != nil {
-				return
-			}
-			if cut {
-				time.Sleep(200 * time.Millisecond)
-				select {
-				case p.cutCommit <- struct{}{}:
-				default:
-				}
-				return
-			}
-		}
-		if err != nil {
-			return
-		}
-	}
+	p.copyDelayed(server, client, false)
 }
 
 // copyDelayed copies src to dst, adding the configured latency per chunk.
-func (p *Proxy) copyDelayed(dst, src net.Conn) {
+// On the server's side (fromServer) it also performs an armed commit cut.
+func (p *Proxy) copyDelayed(dst, src net.Conn, fromServer bool) {
 	buf := make([]byte, 64<<10)
 	for {
 		n, err := src.Read(buf)
@@ -197,7 +168,18 @@ func (p *Proxy) copyDelayed(dst, src net.Conn) {
 			if d := time.Duration(p.latency.Load()); d > 0 {
 				time.Sleep(d)
 			}
-			if _, werr := dst.Write(buf[:n]); werr != nil {
+			chunk := buf[:n]
+			if fromServer && p.armCommit.Load() && bytes.Contains(chunk, commitComplete) && p.armCommit.CompareAndSwap(true, false) {
+				// The commit happened; its answer never reaches the client.
+				_ = dst.Close()
+				_ = src.Close()
+				select {
+				case p.cutCommit <- struct{}{}:
+				default:
+				}
+				return
+			}
+			if _, werr := dst.Write(chunk); werr != nil {
 				return
 			}
 		}
