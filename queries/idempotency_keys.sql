@@ -48,6 +48,25 @@ WHERE pg_try_advisory_xact_lock(
 ON CONFLICT (scope, key) DO NOTHING
 RETURNING id, ctid;
 
+-- name: InsertSingleKey :one
+-- Starts a single-phase run: like InsertKey (same lock, same ON CONFLICT
+-- check before the function runs), but the row is inserted already terminal
+-- with a provisional 500, since nobody can see it before it commits with its
+-- real response. FinishSingleKey then changes only unindexed columns, a HOT
+-- update, instead of rewriting the row and its index entries.
+INSERT INTO idempotency_keys (
+    scope, key, fingerprint, request_method, request_path, request_params,
+    workflow, recovery_point, phase_results, status, attempts, created_at,
+    last_run_at, finished_at, response_status
+)
+SELECT @scope, @key, @fingerprint, @request_method, @request_path, @request_params,
+       '', 'finished', '{}'::jsonb, 'finished', 1, now(), now(), now(), 500
+WHERE pg_try_advisory_xact_lock(
+    hashtextextended(length(@scope::text)::text || ':' || @scope::text || @key::text,
+                    'idempotency_keys'::regclass::oid::bigint))
+ON CONFLICT (scope, key) DO NOTHING
+RETURNING id, ctid;
+
 -- name: TakeOverKey :one
 -- Takes the lease of a running key whose lease is free or expired, with a new
 -- token. Returns no row if another attempt holds a live lease or the key is
@@ -116,21 +135,17 @@ SET lease_token = NULL, leased_until = NULL, last_run_at = now()
 WHERE id = @id AND lease_token = @lease_token AND status = 'running';
 
 -- name: FinishSingleKey :exec
--- Ends a single-phase run: stores the response in the row the run inserted.
--- It is sent in one round trip with COMMIT, so it must fail, not match
--- nothing, if the row is not where the run left it: 1/count(*) raises
--- division_by_zero on zero rows, which aborts the transaction and makes the
--- pipelined COMMIT a no-op.
-WITH finished AS (
+-- Ends a single-phase run: stores the response in the row InsertSingleKey
+-- inserted (unindexed columns only: a HOT update). It is sent in one round
+-- trip with COMMIT, so it must fail, not match nothing, if the row is not
+-- where the run left it: 1/count(*) raises division_by_zero on zero rows,
+-- which aborts the transaction and makes the pipelined COMMIT a no-op.
+WITH stored AS (
     UPDATE idempotency_keys
-    SET status = 'finished',
-        recovery_point = 'finished',
-        response_status = @response_status,
+    SET response_status = @response_status,
         response_headers = @response_headers,
-        response_body = @response_body,
-        finished_at = now(),
-        last_run_at = now()
-    WHERE ctid = @tid AND id = @id AND lease_token IS NULL AND status = 'running'
+        response_body = @response_body
+    WHERE ctid = @tid AND id = @id AND lease_token IS NULL AND status = 'finished'
     RETURNING 1
 )
-SELECT 1 / count(*)::integer FROM finished;
+SELECT 1 / count(*)::integer FROM stored;

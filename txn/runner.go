@@ -241,7 +241,7 @@ func (r *Runner) runSingle(ctx context.Context, req request, fn Func) (resp Resp
 		}
 	}()
 	q := r.q.WithTx(tx)
-	ins, err := q.InsertKey(ctx, db.InsertKeyParams{
+	ins, err := q.InsertSingleKey(ctx, db.InsertSingleKeyParams{
 		Scope: req.key.Scope, Key: req.key.Value, Fingerprint: req.fingerprint,
 		RequestMethod: req.key.Method, RequestPath: req.key.Path, RequestParams: req.params,
 	})

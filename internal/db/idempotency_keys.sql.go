@@ -123,19 +123,15 @@ func (q *Queries) FinishKey(ctx context.Context, arg FinishKeyParams) (pgtype.TI
 }
 
 const finishSingleKey = `-- name: FinishSingleKey :exec
-WITH finished AS (
+WITH stored AS (
     UPDATE idempotency_keys
-    SET status = 'finished',
-        recovery_point = 'finished',
-        response_status = $1,
+    SET response_status = $1,
         response_headers = $2,
-        response_body = $3,
-        finished_at = now(),
-        last_run_at = now()
-    WHERE ctid = $4 AND id = $5 AND lease_token IS NULL AND status = 'running'
+        response_body = $3
+    WHERE ctid = $4 AND id = $5 AND lease_token IS NULL AND status = 'finished'
     RETURNING 1
 )
-SELECT 1 / count(*)::integer FROM finished
+SELECT 1 / count(*)::integer FROM stored
 `
 
 type FinishSingleKeyParams struct {
@@ -146,11 +142,11 @@ type FinishSingleKeyParams struct {
 	ID              int64
 }
 
-// Ends a single-phase run: stores the response in the row the run inserted.
-// It is sent in one round trip with COMMIT, so it must fail, not match
-// nothing, if the row is not where the run left it: 1/count(*) raises
-// division_by_zero on zero rows, which aborts the transaction and makes the
-// pipelined COMMIT a no-op.
+// Ends a single-phase run: stores the response in the row InsertSingleKey
+// inserted (unindexed columns only: a HOT update). It is sent in one round
+// trip with COMMIT, so it must fail, not match nothing, if the row is not
+// where the run left it: 1/count(*) raises division_by_zero on zero rows,
+// which aborts the transaction and makes the pipelined COMMIT a no-op.
 func (q *Queries) FinishSingleKey(ctx context.Context, arg FinishSingleKeyParams) error {
 	_, err := q.db.Exec(ctx, finishSingleKey,
 		arg.ResponseStatus,
@@ -222,6 +218,54 @@ func (q *Queries) InsertKey(ctx context.Context, arg InsertKeyParams) (InsertKey
 		arg.LeaseSeconds,
 	)
 	var i InsertKeyRow
+	err := row.Scan(&i.ID, &i.Ctid)
+	return i, err
+}
+
+const insertSingleKey = `-- name: InsertSingleKey :one
+INSERT INTO idempotency_keys (
+    scope, key, fingerprint, request_method, request_path, request_params,
+    workflow, recovery_point, phase_results, status, attempts, created_at,
+    last_run_at, finished_at, response_status
+)
+SELECT $1, $2, $3, $4, $5, $6,
+       '', 'finished', '{}'::jsonb, 'finished', 1, now(), now(), now(), 500
+WHERE pg_try_advisory_xact_lock(
+    hashtextextended(length($1::text)::text || ':' || $1::text || $2::text,
+                    'idempotency_keys'::regclass::oid::bigint))
+ON CONFLICT (scope, key) DO NOTHING
+RETURNING id, ctid
+`
+
+type InsertSingleKeyParams struct {
+	Scope         string
+	Key           string
+	Fingerprint   []byte
+	RequestMethod string
+	RequestPath   string
+	RequestParams []byte
+}
+
+type InsertSingleKeyRow struct {
+	ID   int64
+	Ctid pgtype.TID
+}
+
+// Starts a single-phase run: like InsertKey (same lock, same ON CONFLICT
+// check before the function runs), but the row is inserted already terminal
+// with a provisional 500, since nobody can see it before it commits with its
+// real response. FinishSingleKey then changes only unindexed columns, a HOT
+// update, instead of rewriting the row and its index entries.
+func (q *Queries) InsertSingleKey(ctx context.Context, arg InsertSingleKeyParams) (InsertSingleKeyRow, error) {
+	row := q.db.QueryRow(ctx, insertSingleKey,
+		arg.Scope,
+		arg.Key,
+		arg.Fingerprint,
+		arg.RequestMethod,
+		arg.RequestPath,
+		arg.RequestParams,
+	)
+	var i InsertSingleKeyRow
 	err := row.Scan(&i.ID, &i.Ctid)
 	return i, err
 }
