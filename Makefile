@@ -55,6 +55,15 @@ fuzz: ## Run each fuzz target for FUZZTIME (default 10s)
 	$(GO) test -run '^$$' -fuzz '^FuzzParseKey$$' -fuzztime $(FUZZTIME) ./httpidem
 	$(GO) test -run '^$$' -fuzz '^FuzzValidate$$' -fuzztime $(FUZZTIME) ./outbox
 
+.PHONY: bench
+bench: ## Benchmarks side by side with a bare transaction, DBOS, River and Watermill (short, ~5 min)
+	cd bench && $(GO) run ./cmd/benchtable
+	cd bench && $(GO) test -run '^$$' -bench . -benchmem -count 3 .
+
+.PHONY: bench-long
+bench-long: ## The same, 30 s per cell and 1,000,000 keys for cleanup
+	cd bench && $(GO) run ./cmd/benchtable -long
+
 .PHONY: demo
 demo: ## The main job: rocketrides under load, faults and SIGKILLs, with invariant checks
 	$(GO) run ./examples/rocketrides/demo

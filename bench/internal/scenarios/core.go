@@ -1,0 +1,227 @@
+package scenarios
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math"
+	"math/rand/v2"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/atomicphase/atomicphase/bench/internal/harness"
+	"github.com/atomicphase/atomicphase/txn"
+)
+
+// subject sets up one system under test on a cell's pool and returns its
+// operation and a teardown.
+type subject struct {
+	name  string
+	setup func(ctx context.Context, s *Suite, cl *cell, c int) (harness.Op, func(), error)
+}
+
+// measure runs one subject at concurrency c in a fresh cell.
+func (s *Suite) measure(ctx context.Context, sub subject, c int) (harness.Result, error) {
+	cl, err := s.newCell(ctx, c)
+	if err != nil {
+		return harness.Result{}, err
+	}
+	defer cl.pool.Close()
+	op, teardown, err := sub.setup(ctx, s, cl, c)
+	if err != nil {
+		return harness.Result{}, fmt.Errorf("%s: setup: %w", sub.name, err)
+	}
+	timing := s.Timing
+	timing.OnMeasure = func() { s.resetStatements(ctx, cl.pool) }
+	res := harness.Drive(ctx, c, timing, cl.ctr, op)
+	s.dumpStatements(ctx, cl.pool, fmt.Sprintf("%s, c=%d", sub.name, c), res.Ops)
+	teardown()
+	s.Progress("%-28s c=%-3d %8.0f ops/s  p50 %6s ms  p99 %6s ms  rt/op %.1f  cpu %s ms/op  errors %d",
+		sub.name, c, res.Throughput(), harness.FormatMs(res.Percentile(50)), harness.FormatMs(res.Percentile(99)), res.RoundTrips, harness.FormatMs(res.CPUPerOp), res.Errors)
+	if res.Ops == 0 && res.FirstError != nil {
+		return res, fmt.Errorf("%s: no operation succeeded: %w", sub.name, res.FirstError)
+	}
+	if res.FirstError != nil {
+		s.Progress("%s: first error: %v", sub.name, res.FirstError)
+	}
+	return res, nil
+}
+
+// bare is the baseline: the business row in a hand-written SERIALIZABLE
+// transaction, with no idempotency at all.
+var bare = subject{name: "bare SERIALIZABLE tx", setup: func(ctx context.Context, s *Suite, cl *cell, c int) (harness.Op, func(), error) {
+	return func(ctx context.Context, _ int, seq int64) error {
+		return bareInsert(ctx, cl.pool, opKey("bare", seq))
+	}, func() {}, nil
+}}
+
+func bareInsert(ctx context.Context, pool *pgxpool.Pool, key string) error {
+	tx, err := pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.Serializable})
+	if err != nil {
+		return err
+	}
+	defer tx.Rollback(ctx) //nolint:errcheck // after Commit it is a no-op
+	if _, err := tx.Exec(ctx, insertRow, key, 1, 100); err != nil {
+		return err
+	}
+	return tx.Commit(ctx)
+}
+
+// orderParams is the request body every keyed subject fingerprints.
+var orderParams = []byte(`{"amount":100,"currency":"usd"}`)
+
+func orderKey(value string) txn.Key {
+	return txn.Key{Scope: "bench", Value: value, Method: "POST", Path: "/orders", Params: orderParams}
+}
+
+var createdBody = []byte(`{"status":"created"}`)
+
+// runFunc is the single-phase operation: the same business row as bare.
+func runFunc(key string) txn.Func {
+	return func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+		if _, err := tx.Exec(ctx, insertRow, key, 1, 100); err != nil {
+			return txn.Response{}, err
+		}
+		return txn.Response{Status: 201, Body: createdBody}, nil
+	}
+}
+
+func newRunner(pool *pgxpool.Pool, reg *txn.Registry) (*txn.Runner, error) {
+	return txn.New(pool, &txn.Config{Workflows: reg, Logger: harness.Discard})
+}
+
+var singlePhase = subject{name: "atomicphase Run", setup: func(ctx context.Context, s *Suite, cl *cell, c int) (harness.Op, func(), error) {
+	r, err := newRunner(cl.pool, nil)
+	if err != nil {
+		return nil, nil, err
+	}
+	return func(ctx context.Context, _ int, seq int64) error {
+		key := opKey("run", seq)
+		resp, err := r.Run(ctx, orderKey(key), runFunc(key))
+		if err == nil && resp.Replayed {
+			err = errors.New("fresh key replayed")
+		}
+		return err
+	}, func() {}, nil
+}}
+
+// replayKeys is how many finished keys the replay subject reads at random.
+const replayKeys = 2000
+
+var replay = subject{name: "atomicphase replay", setup: func(ctx context.Context, s *Suite, cl *cell, c int) (harness.Op, func(), error) {
+	r, err := newRunner(cl.pool, nil)
+	if err != nil {
+		return nil, nil, err
+	}
+	keys := make([]string, replayKeys)
+	for i := range keys {
+		keys[i] = opKey("replay", int64(i))
+		if _, err := r.Run(ctx, orderKey(keys[i]), runFunc(keys[i])); err != nil {
+			return nil, nil, err
+		}
+	}
+	if _, err := cl.pool.Exec(ctx, "VACUUM ANALYZE idempotency_keys"); err != nil {
+		return nil, nil, err
+	}
+	return func(ctx context.Context, _ int, _ int64) error {
+		key := keys[rand.IntN(len(keys))]
+		resp, err := r.Run(ctx, orderKey(key), runFunc(key))
+		if err == nil && !resp.Replayed {
+			err = errors.New("finished key not replayed")
+		}
+		return err
+	}, func() {}, nil
+}}
+
+// RunCore runs scenarios 1, 2 and 3 (those enabled), sharing one bare
+// baseline per concurrency, measured in the same block as its subjects.
+func (s *Suite) RunCore(ctx context.Context, s1, s2, s3 bool) error {
+	t1 := &Table{
+		Title:    "1. Single-phase Run vs bare SERIALIZABLE transaction (one business row)",
+		Unit:     "ops/s",
+		RatioCol: "ratio vs bare",
+	}
+	t2 := &Table{
+		Title:    "2. Replay of a finished key vs bare transaction",
+		Unit:     "ops/s",
+		RatioCol: "ratio vs bare",
+	}
+	t3 := &Table{
+		Title:    "3. Three-step exactly-once operation (atomic write, foreign no-op, final atomic write)",
+		Unit:     "ops/s",
+		RatioCol: "ratio vs bare",
+	}
+	minRun, replayAt8, wfAt32 := math.Inf(1), math.NaN(), math.NaN()
+	var minRunGot string
+	for _, c := range s.Concurrency {
+		b, err := s.measure(ctx, bare, c)
+		if err != nil {
+			return err
+		}
+		bt := b.Throughput()
+		for _, t := range []*Table{t1, t2, t3} {
+			t.Rows = append(t.Rows, rowFrom(bare.name, c, b, 1))
+		}
+		if s1 {
+			r, err := s.measure(ctx, singlePhase, c)
+			if err != nil {
+				return err
+			}
+			q := ratio(r.Throughput(), bt)
+			t1.Rows = append(t1.Rows, rowFrom(singlePhase.name, c, r, q))
+			if q < minRun {
+				minRun, minRunGot = q, fmt.Sprintf("lowest %.2f at c=%d", q, c)
+			}
+			if s.Experiments {
+				x, err := s.measure(ctx, leanRun, c)
+				if err != nil {
+					return err
+				}
+				t1.Rows = append(t1.Rows, rowFrom(leanRun.name, c, x, ratio(x.Throughput(), bt)))
+			}
+		}
+		if s2 {
+			r, err := s.measure(ctx, replay, c)
+			if err != nil {
+				return err
+			}
+			q := ratio(r.Throughput(), bt)
+			t2.Rows = append(t2.Rows, rowFrom(replay.name, c, r, q))
+			if c == 8 {
+				replayAt8 = q
+			}
+		}
+		if s3 {
+			for _, sub := range []subject{ourWorkflow, dbosWorkflow, riverJob} {
+				r, err := s.measure(ctx, sub, c)
+				if err != nil {
+					return err
+				}
+				q := ratio(r.Throughput(), bt)
+				t3.Rows = append(t3.Rows, rowFrom(sub.name, c, r, q))
+				if sub.name == ourWorkflow.name && c == 32 {
+					wfAt32 = q
+				}
+			}
+		}
+	}
+	if s1 {
+		t1.Goals = append(t1.Goals, Goal{Text: "ratio ≥ 0.85 at every concurrency", Met: minRun >= 0.85, Got: minRunGot})
+		t1.Notes = append(t1.Notes,
+			"Run: a lookup read of the key, then one SERIALIZABLE transaction that writes the key row, the business row and the stored response: one commit. Round trips per op are counted by a pgx tracer; CPU ms/op is the whole machine's busy CPU time (client, server, everything) per op over the window.",
+			"bare: BEGIN ISOLATION LEVEL SERIALIZABLE; INSERT the same row; COMMIT. No idempotency.")
+		s.Tables = append(s.Tables, t1)
+	}
+	if s2 {
+		t2.Goals = append(t2.Goals, Goal{Text: "≥ 4× the bare transaction at c=8", Met: replayAt8 >= 4, Got: fmt.Sprintf("%.2f× at c=8", replayAt8)})
+		t2.Notes = append(t2.Notes, fmt.Sprintf("replay: Run on one of %d finished keys, chosen at random; returns the stored response and runs nothing.", replayKeys))
+		s.Tables = append(s.Tables, t2)
+	}
+	if s3 {
+		t3.Goals = append(t3.Goals, Goal{Text: "atomicphase workflow ≥ 0.40 of bare at c=32", Met: wfAt32 >= 0.40, Got: fmt.Sprintf("%.2f at c=32", wfAt32)})
+		t3.Notes = append(t3.Notes, workflowNotes...)
+		s.Tables = append(s.Tables, t3)
+	}
+	return nil
+}

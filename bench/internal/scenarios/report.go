@@ -1,0 +1,116 @@
+package scenarios
+
+import (
+	"fmt"
+	"io"
+	"math"
+	"strings"
+	"time"
+
+	"github.com/atomicphase/atomicphase/bench/internal/harness"
+)
+
+// Table is one scenario's results.
+type Table struct {
+	Title      string
+	Unit       string // throughput unit, e.g. "ops/s"
+	LatencyCol string // what the latency columns measure
+	RatioCol   string // what the ratio column divides by
+	Rows       []Row
+	Notes      []string
+	Goals      []Goal
+}
+
+// Row is one subject at one concurrency.
+type Row struct {
+	System     string
+	C          int
+	Throughput float64
+	P50, P99   time.Duration
+	Ratio      float64       // NaN: not applicable
+	RoundTrips float64       // 0: not counted
+	CPU        time.Duration // machine CPU per op; 0: not measured
+	Errors     int
+	Note       string
+}
+
+// Goal is a performance target and whether this run met it.
+type Goal struct {
+	Text string
+	Met  bool
+	Got  string
+}
+
+func rowFrom(system string, c int, r harness.Result, ratio float64) Row {
+	return Row{
+		System: system, C: c, Throughput: r.Throughput(),
+		P50: r.Percentile(50), P99: r.Percentile(99),
+		Ratio: ratio, RoundTrips: r.RoundTrips, CPU: r.CPUPerOp, Errors: r.Errors,
+	}
+}
+
+func ratio(a, b float64) float64 {
+	if b == 0 {
+		return math.NaN()
+	}
+	return a / b
+}
+
+// Markdown writes t as a Markdown section.
+func (t *Table) Markdown(w io.Writer) {
+	fmt.Fprintf(w, "### %s\n\n", t.Title)
+	lat := t.LatencyCol
+	if lat == "" {
+		lat = "latency"
+	}
+	fmt.Fprintf(w, "| system | c | %s | %s p50 ms | %s p99 ms | %s | round trips/op | CPU ms/op | errors |\n", t.Unit, lat, lat, t.RatioCol)
+	fmt.Fprintf(w, "|---|--:|--:|--:|--:|--:|--:|--:|--:|\n")
+	for _, r := range t.Rows {
+		ratioS := "-"
+		if !math.IsNaN(r.Ratio) {
+			ratioS = fmt.Sprintf("%.2f", r.Ratio)
+		}
+		rt := "-"
+		if r.RoundTrips > 0 {
+			rt = fmt.Sprintf("%.1f", r.RoundTrips)
+		}
+		sys := r.System
+		if r.Note != "" {
+			sys += " (" + r.Note + ")"
+		}
+		c := "-"
+		if r.C > 0 {
+			c = fmt.Sprint(r.C)
+		}
+		fmt.Fprintf(w, "| %s | %s | %s | %s | %s | %s | %s | %s | %d |\n",
+			sys, c, harness.FormatRate(r.Throughput), harness.FormatMs(r.P50), harness.FormatMs(r.P99), ratioS, rt, harness.FormatMs(r.CPU), r.Errors)
+	}
+	fmt.Fprintln(w)
+	for _, g := range t.Goals {
+		mark := "FAIL"
+		if g.Met {
+			mark = "PASS"
+		}
+		fmt.Fprintf(w, "- Goal: %s: **%s** (%s)\n", g.Text, mark, g.Got)
+	}
+	for _, n := range t.Notes {
+		fmt.Fprintf(w, "- %s\n", n)
+	}
+	fmt.Fprintln(w)
+}
+
+// Summary lists every goal of every table, one line each.
+func Summary(w io.Writer, tables []*Table) {
+	fmt.Fprintln(w, "### Goals")
+	fmt.Fprintln(w)
+	for _, t := range tables {
+		for _, g := range t.Goals {
+			mark := "FAIL"
+			if g.Met {
+				mark = "PASS"
+			}
+			fmt.Fprintf(w, "- %s — %s: **%s** (%s)\n", strings.SplitN(t.Title, ".", 2)[0], g.Text, mark, g.Got)
+		}
+	}
+	fmt.Fprintln(w)
+}
