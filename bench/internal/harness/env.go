@@ -17,7 +17,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats-server/v2/server"
 
-	"github.com/atomicphase/atomicphase/bench/internal/pgserver"
+	"github.com/atomicphase/atomicphase/internal/pgcluster"
 )
 
 // Environment variables the harness reads.
@@ -58,16 +58,20 @@ func Setup(ctx context.Context, needNATS bool, pgSettings map[string]string) (*E
 		}
 		e.DatabaseURL, e.Source = u, EnvDatabaseURL
 	} else {
-		srv, err := pgserver.Start(ctx, pgSettings)
+		settings := clusterSettings()
+		for k, v := range pgSettings {
+			settings[k] = v
+		}
+		srv, err := pgcluster.Start(ctx, pgcluster.Options{Durable: true, Settings: settings})
 		if err != nil {
 			return nil, err
 		}
 		e.stops = append(e.stops, func() { _ = srv.Stop() })
-		if err := createDatabase(ctx, srv.URL("bench")); err != nil {
+		if err := createDatabase(ctx, srv.ConnString("bench")); err != nil {
 			e.Close()
 			return nil, err
 		}
-		e.DatabaseURL, e.Source = srv.URL("bench"), "throwaway local cluster"
+		e.DatabaseURL, e.Source = srv.ConnString("bench"), "throwaway local cluster"
 	}
 	if needNATS {
 		if u := os.Getenv(EnvNATSURL); u != "" {
@@ -188,4 +192,17 @@ func (e *Env) ServerInfo(ctx context.Context) string {
 		}
 	}
 	return strings.Join(parts, ", ")
+}
+
+// clusterSettings are the throwaway cluster's settings for benchmarks:
+// durable commits (fsync, synchronous_commit and full_page_writes stay on,
+// so figures are honest), room for every scenario's connections, and a WAL
+// budget large enough that bulk loads between cells do not force
+// checkpoints (each cell starts with an explicit CHECKPOINT).
+func clusterSettings() map[string]string {
+	return map[string]string{
+		"max_connections": "300",
+		"shared_buffers":  "128MB",
+		"max_wal_size":    "2GB",
+	}
 }
