@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"strconv"
 	"strings"
-	"sync"
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
@@ -87,23 +86,7 @@ func (p *NATSPublisher) MsgID(id int64) string {
 // Publish implements Publisher: it publishes msgs concurrently (they never
 // share an ordering key) and returns when every one is acknowledged or failed.
 func (p *NATSPublisher) Publish(ctx context.Context, msgs []Envelope) []error {
-	errs := make([]error, len(msgs))
-	sem := make(chan struct{}, p.cfg.MaxInFlight)
-	var wg sync.WaitGroup
-	for i := range msgs {
-		select {
-		case sem <- struct{}{}:
-		case <-ctx.Done():
-			errs[i] = ctx.Err()
-			continue
-		}
-		wg.Go(func() {
-			defer func() { <-sem }()
-			errs[i] = p.publishOne(ctx, &msgs[i])
-		})
-	}
-	wg.Wait()
-	return errs
+	return publishEach(ctx, msgs, p.cfg.MaxInFlight, p.publishOne)
 }
 
 func (p *NATSPublisher) publishOne(ctx context.Context, e *Envelope) error {

@@ -12,7 +12,6 @@ import (
 	"net/url"
 	"strconv"
 	"strings"
-	"sync"
 	"time"
 )
 
@@ -110,23 +109,7 @@ func NewWebhookPublisher(cfg WebhookConfig) (*WebhookPublisher, error) {
 
 // Publish implements Publisher.
 func (p *WebhookPublisher) Publish(ctx context.Context, msgs []Envelope) []error {
-	errs := make([]error, len(msgs))
-	sem := make(chan struct{}, p.cfg.Concurrency)
-	var wg sync.WaitGroup
-	for i := range msgs {
-		select {
-		case sem <- struct{}{}:
-		case <-ctx.Done():
-			errs[i] = ctx.Err()
-			continue
-		}
-		wg.Go(func() {
-			defer func() { <-sem }()
-			errs[i] = p.call(ctx, &msgs[i])
-		})
-	}
-	wg.Wait()
-	return errs
+	return publishEach(ctx, msgs, p.cfg.Concurrency, p.call)
 }
 
 func (p *WebhookPublisher) call(ctx context.Context, e *Envelope) error {
