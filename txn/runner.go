@@ -158,6 +158,7 @@ func (r *Runner) Run(ctx context.Context, key Key, fn Func) (Response, error) {
 		return Response{}, fmt.Errorf("txn: run: %w", err)
 	}
 	tries := 0
+	raced := false // the last insert lost to a concurrent attempt
 	for {
 		if err := ctx.Err(); err != nil {
 			return Response{}, fmt.Errorf("txn: run: %w", err)
@@ -173,6 +174,15 @@ func (r *Runner) Run(ctx context.Context, key Key, fn Func) (Response, error) {
 		case !errors.Is(err, pgx.ErrNoRows):
 			return Response{}, fmt.Errorf("txn: run: look up key: %w", err)
 		}
+		if raced {
+			// Lost the insert, yet no committed row: the other attempt's
+			// transaction is still open.
+			raced = false
+			if err := r.inFlight(ctx, req); err != nil {
+				return Response{}, err
+			}
+			continue
+		}
 
 		resp, err := r.runSingle(ctx, req, fn)
 		switch {
@@ -182,20 +192,7 @@ func (r *Runner) Run(ctx context.Context, key Key, fn Func) (Response, error) {
 		case errors.Is(err, errRaced):
 			// Another attempt inserted the key after our lookup: committed
 			// (the next lookup sees it) or still in flight.
-			row, lerr := r.q.LookupKey(ctx, db.LookupKeyParams{Scope: key.Scope, Key: key.Value})
-			if lerr == nil {
-				resp, err := r.existing(ctx, req, "", row)
-				if errors.Is(err, errWait) {
-					continue
-				}
-				return resp, err
-			}
-			if !errors.Is(lerr, pgx.ErrNoRows) {
-				return Response{}, fmt.Errorf("txn: run: look up key: %w", lerr)
-			}
-			if err := r.inFlight(ctx, req); err != nil {
-				return Response{}, err
-			}
+			raced = true
 			continue
 		case pgerr.IsRetryable(err):
 			if tries >= r.cfg.MaxRetries {
