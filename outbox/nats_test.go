@@ -137,6 +137,11 @@ func TestRelayCrashAfterAckBeforeMark(t *testing.T) {
 		require.Error(t, err)
 		require.Zero(t, d.Count(t, "SELECT count(*) FROM outbox_messages WHERE published_at IS NOT NULL OR attempts > 0"))
 		require.Len(t, ts.messages(t), len(ids), "JetStream has the whole batch")
+		// pg_terminate_backend only signals: the dead session's row locks
+		// last until its backend has exited, and SKIP LOCKED would skip them.
+		require.Eventually(t, func() bool {
+			return d.Count(t, "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1", app) == 0
+		}, 30*time.Second, 10*time.Millisecond)
 
 		restarted := newTestRelay(t, d.Pool, nats, Config{})
 		require.Equal(t, len(ids), drain(t, restarted))
