@@ -1,0 +1,288 @@
+package txn
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/binary"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgtype"
+
+	"github.com/atomicphase/atomicphase/internal/db"
+	"github.com/atomicphase/atomicphase/internal/phasectx"
+)
+
+// Attempt is one run of a workflow under a key: the first attempt, a client
+// retry or a recovery resume. It holds the key's lease while it runs. It is
+// passed to the WorkflowFunc and must not be used after it returns.
+type Attempt struct {
+	r        *Runner
+	req      request
+	workflow string
+	id       int64
+	tid      pgtype.TID // the key row's current ctid, for fenced updates
+	token    uuid.UUID
+	number   int
+	start    string
+	point    string
+	results  map[string]json.RawMessage
+	seen     map[string]bool
+	finished *Response
+}
+
+// Params returns the request's params as JSON: the caller's on the request
+// path, the stored ones on a resume.
+func (a *Attempt) Params() json.RawMessage { return json.RawMessage(a.req.params) }
+
+// Key returns the scope and value of the idempotency key being run.
+func (a *Attempt) Key() (scope, value string) { return a.req.key.Scope, a.req.key.Value }
+
+// Number is 1 for the first attempt and grows with each retry or resume
+// that takes the key over.
+func (a *Attempt) Number() int { return a.number }
+
+// ResumedFrom is the recovery point this attempt started from: "started"
+// for a fresh key, else the last phase committed before it.
+func (a *Attempt) ResumedFrom() string { return a.start }
+
+// ForeignKey returns the idempotency key to pass to a foreign system for the
+// phase named phase: derived from the key's row, so it is the same on every
+// retry and resume of this operation, and different for a new operation
+// that reuses the key value after the old one expired.
+func (a *Attempt) ForeignKey(phase string) string {
+	h := sha256.New()
+	h.Write([]byte("atomicphase/foreign/v1\x00"))
+	var id [8]byte
+	binary.BigEndian.PutUint64(id[:], uint64(a.id))
+	h.Write(id[:])
+	for _, s := range []string{a.req.key.Scope, a.req.key.Value, a.workflow, phase} {
+		var n [8]byte
+		binary.BigEndian.PutUint64(n[:], uint64(len(s)))
+		h.Write(n[:])
+		h.Write([]byte(s))
+	}
+	return "ap_" + hex.EncodeToString(h.Sum(nil))
+}
+
+func (a *Attempt) enter(name string) error {
+	switch {
+	case a.finished != nil:
+		return fmt.Errorf("%w: phase %q after Finish", ErrInvalidUse, name)
+	case name == "" || len(name) > 200:
+		return fmt.Errorf("%w: phase name must be 1-200 bytes", ErrInvalidUse)
+	case name == pointStarted || name == pointFinished:
+		return fmt.Errorf("%w: phase name %q is reserved", ErrInvalidUse, name)
+	case a.seen[name]:
+		return fmt.Errorf("%w: phase %q used twice in one workflow", ErrInvalidUse, name)
+	}
+	a.seen[name] = true
+	return nil
+}
+
+// startPhase checks a phase about to run (Atomic and Foreign): done is true
+// when the phase must not run, with err for misuse, or with the stored
+// result of an earlier attempt that committed it.
+func startPhase[T any](a *Attempt, name string, nilFunc bool) (v T, done bool, err error) {
+	if nilFunc {
+		return v, true, fmt.Errorf("txn: phase %q: %w: nil func", name, ErrInvalidUse)
+	}
+	if err := a.enter(name); err != nil {
+		return v, true, fmt.Errorf("txn: phase: %w", err)
+	}
+	return storedResult[T](a, name)
+}
+
+func storedResult[T any](a *Attempt, name string) (T, bool, error) {
+	var v T
+	raw, ok := a.results[name]
+	if !ok {
+		return v, false, nil
+	}
+	if err := json.Unmarshal(raw, &v); err != nil {
+		return v, true, fmt.Errorf("txn: phase %q: decode stored result into %T: %w", name, v, err)
+	}
+	return v, true, nil
+}
+
+// Atomic runs fn as a phase in one SERIALIZABLE transaction that also
+// records the phase as the key's recovery point with fn's result (JSON
+// encoded), fenced by the attempt's lease. If the phase already committed
+// in an earlier attempt, fn does not run and its stored result is returned.
+// Serialization failures retry this phase only. An error from fn rolls the
+// phase back and is returned.
+//
+// The result is always the JSON round trip of fn's value, so an attempt
+// that runs the phase and one that resumes after it see the same value.
+func Atomic[T any](ctx context.Context, a *Attempt, name string, fn func(ctx context.Context, tx pgx.Tx) (T, error)) (T, error) {
+	var zero T
+	if v, done, err := startPhase[T](a, name, fn == nil); done {
+		return v, err
+	}
+	var raw []byte
+	var tid pgtype.TID
+	err := a.r.inTx(ctx, func(tx pgx.Tx) error {
+		v, err := guard(func() (T, error) { return fn(phasectx.WithKeyID(ctx, a.id), tx) })
+		if err != nil {
+			return err
+		}
+		raw, err = json.Marshal(v)
+		if err != nil {
+			return fmt.Errorf("%w: encode result: %w", ErrInvalidUse, err)
+		}
+		tid, err = a.commitPhase(ctx, a.r.q.WithTx(tx), name, raw)
+		return err
+	})
+	if err != nil {
+		return zero, fmt.Errorf("txn: phase %q: %w", name, err)
+	}
+	a.tid = tid // only now: a rolled-back try leaves the row where it was
+	return recordResult[T](a, name, raw)
+}
+
+// Foreign runs fn, a call to a system outside the database (a payment
+// provider, an e-mail service), outside any transaction, then commits its
+// result (JSON encoded) as the key's recovery point. fn receives a foreign
+// key, the same on every retry and resume; pass it to the provider as its
+// idempotency key so that a call repeated after a crash is deduplicated
+// there. If the phase already committed, fn does not run and its stored
+// result is returned. An error from fn is returned and nothing is stored:
+// return a terminal Response from the workflow for a definitive failure
+// (e.g. card declined), or the error to leave the key resumable.
+func Foreign[T any](ctx context.Context, a *Attempt, name string, fn func(ctx context.Context, foreignKey string) (T, error)) (T, error) {
+	var zero T
+	if v, done, err := startPhase[T](a, name, fn == nil); done {
+		return v, err
+	}
+	// Check and extend the lease before calling out: a holder that lost
+	// its key must not call the provider on the operation's behalf.
+	tid, err := a.fenced(ctx, a.r.q, func(tid pgtype.TID) (pgtype.TID, error) {
+		return a.r.q.ExtendLease(ctx, db.ExtendLeaseParams{
+			Tid: tid, ID: a.id, LeaseToken: a.nullToken(), LeaseSeconds: a.r.cfg.LeaseDuration.Seconds(),
+		})
+	})
+	if err != nil {
+		return zero, fmt.Errorf("txn: phase %q: extend lease: %w", name, err)
+	}
+	a.tid = tid
+	fk := a.ForeignKey(name)
+	v, err := guard(func() (T, error) { return fn(ctx, fk) })
+	if err != nil {
+		return zero, err
+	}
+	raw, err := json.Marshal(v)
+	if err != nil {
+		return zero, fmt.Errorf("txn: phase %q: %w: encode result: %w", name, ErrInvalidUse, err)
+	}
+	// One UPDATE in its own transaction records the result, fenced.
+	tid, err = a.commitPhase(ctx, a.r.q, name, raw)
+	if err != nil {
+		return zero, fmt.Errorf("txn: phase %q: %w", name, err)
+	}
+	a.tid = tid
+	return recordResult[T](a, name, raw)
+}
+
+func (a *Attempt) commitPhase(ctx context.Context, q *db.Queries, name string, raw []byte) (pgtype.TID, error) {
+	tid, err := a.fenced(ctx, q, func(tid pgtype.TID) (pgtype.TID, error) {
+		return q.CommitPhase(ctx, db.CommitPhaseParams{
+			Tid: tid, ID: a.id, LeaseToken: a.nullToken(),
+			Phase: name, Result: raw, LeaseSeconds: a.r.cfg.LeaseDuration.Seconds(),
+		})
+	})
+	if err != nil {
+		return tid, fmt.Errorf("record phase: %w", err)
+	}
+	return tid, nil
+}
+
+func (a *Attempt) nullToken() uuid.NullUUID { return uuid.NullUUID{UUID: a.token, Valid: true} }
+
+// fenced runs a lease-fenced UPDATE that addresses the key row by its ctid
+// and returns the row's new ctid. Addressing by ctid keeps SERIALIZABLE
+// phases from taking predicate locks on primary-key btree pages, which
+// would make unrelated keys conflict with each other. If the row is not at
+// its last known ctid, it is located by id and lease token (no row: the
+// lease was lost) and the update is tried there.
+func (a *Attempt) fenced(ctx context.Context, q *db.Queries, update func(pgtype.TID) (pgtype.TID, error)) (pgtype.TID, error) {
+	tid, err := update(a.tid)
+	if !errors.Is(err, pgx.ErrNoRows) {
+		return tid, err
+	}
+	cur, err := q.LocateHeldKey(ctx, db.LocateHeldKeyParams{ID: a.id, LeaseToken: a.nullToken()})
+	if errors.Is(err, pgx.ErrNoRows) {
+		return tid, ErrLeaseLost
+	}
+	if err != nil {
+		return tid, err
+	}
+	tid, err = update(cur)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return tid, ErrLeaseLost
+	}
+	return tid, err
+}
+
+// recordResult notes a committed phase and returns its JSON round trip.
+func recordResult[T any](a *Attempt, name string, raw []byte) (T, error) {
+	a.results[name] = raw
+	a.point = name
+	var v T
+	if err := json.Unmarshal(raw, &v); err != nil {
+		return v, fmt.Errorf("txn: phase %q: %w: result does not decode into %T: %w", name, ErrInvalidUse, v, err)
+	}
+	return v, nil
+}
+
+// Finish runs the workflow's final atomic phase: fn's writes, the terminal
+// response and the key's finished status commit in one SERIALIZABLE
+// transaction, fenced by the lease. Return its result from the WorkflowFunc.
+func (a *Attempt) Finish(ctx context.Context, fn Func) (Response, error) {
+	if fn == nil {
+		return Response{}, fmt.Errorf("txn: finish: %w: nil func", ErrInvalidUse)
+	}
+	if a.finished != nil {
+		return Response{}, fmt.Errorf("txn: finish: %w: called twice", ErrInvalidUse)
+	}
+	var resp Response
+	err := a.r.inTx(ctx, func(tx pgx.Tx) error {
+		var err error
+		resp, err = guard(func() (Response, error) { return fn(phasectx.WithKeyID(ctx, a.id), tx) })
+		if err != nil {
+			return err
+		}
+		return a.store(ctx, a.r.q.WithTx(tx), resp, pointFinished)
+	})
+	if err != nil {
+		return Response{}, fmt.Errorf("txn: finish: %w", err)
+	}
+	resp.Replayed = false
+	a.finished = &resp
+	a.point = pointFinished
+	return resp, nil
+}
+
+// store writes the terminal response and releases the lease, fenced.
+func (a *Attempt) store(ctx context.Context, q *db.Queries, resp Response, point string) error {
+	if err := resp.validate(); err != nil {
+		return err
+	}
+	header, err := resp.encodedHeader()
+	if err != nil {
+		return err
+	}
+	_, err = a.fenced(ctx, q, func(tid pgtype.TID) (pgtype.TID, error) {
+		return q.FinishKey(ctx, db.FinishKeyParams{
+			Tid: tid, ID: a.id, LeaseToken: a.nullToken(), RecoveryPoint: point,
+			ResponseStatus: int4(resp.Status), ResponseHeaders: header, ResponseBody: resp.Body,
+		})
+	})
+	if err != nil && !errors.Is(err, ErrLeaseLost) {
+		return fmt.Errorf("store response: %w", err)
+	}
+	return err
+}
