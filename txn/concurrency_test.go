@@ -232,9 +232,10 @@ func TestTerminatedBackendMidPhaseIsTransient(t *testing.T) {
 	e := newEnv(t, nil)
 	ctx := ctxT(t)
 	var calls atomic.Int64
+	var pid int32
 	_, err := e.runner.Run(ctx, chargeKey("k1", 1), func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
 		calls.Add(1)
-		if _, err := tx.Exec(ctx, `INSERT INTO charges (ref, amount) VALUES ('x', 1)`); err != nil {
+		if err := tx.QueryRow(ctx, `INSERT INTO charges (ref, amount) VALUES ('x', 1) RETURNING pg_backend_pid()`).Scan(&pid); err != nil {
 			return txn.Response{}, err
 		}
 		_, err := tx.Exec(ctx, `SELECT pg_terminate_backend(pg_backend_pid())`)
@@ -243,6 +244,13 @@ func TestTerminatedBackendMidPhaseIsTransient(t *testing.T) {
 	require.Error(t, err)
 	require.Equal(t, 0, e.Count(t, `SELECT count(*) FROM idempotency_keys`))
 	require.Equal(t, 0, e.Count(t, `SELECT count(*) FROM charges`))
+	// The client sees the FATAL before the backend has aborted its
+	// transaction: until it exits it still holds the key's advisory lock, and
+	// a retry in that window is rightly answered ErrKeyInUse (its insert is
+	// in flight). Retry once the backend is gone.
+	require.Eventually(t, func() bool {
+		return e.Count(t, `SELECT count(*) FROM pg_stat_activity WHERE pid = $1`, pid) == 0
+	}, 10*time.Second, 5*time.Millisecond)
 	resp, err := e.runner.Run(ctx, chargeKey("k1", 1), insertCharge(&calls, "c", 1))
 	require.NoError(t, err)
 	require.Equal(t, 201, resp.Status)

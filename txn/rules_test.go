@@ -198,22 +198,24 @@ func TestRule4_WaitModeBlocksUntilHolderFinishesThenReplays(t *testing.T) {
 	ctx := ctxT(t)
 	entered, release := make(chan struct{}), make(chan struct{})
 	var calls atomic.Int64
-	done := make(chan txn.Response, 1)
+	type result struct {
+		resp txn.Response
+		err  error
+	}
+	done := make(chan result, 1)
 	go func() {
 		resp, err := e.runner.Run(ctx, chargeKey("k1", 500), func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
 			close(entered)
 			<-release
 			return insertCharge(&calls, "c1", 500)(ctx, tx)
 		})
-		require.NoError(t, err)
-		done <- resp
+		done <- result{resp, err}
 	}()
 	<-entered
-	waiter := make(chan txn.Response, 1)
+	waiter := make(chan result, 1)
 	go func() {
 		resp, err := e.runner.Run(ctx, chargeKey("k1", 500), insertCharge(&calls, "c2", 500))
-		require.NoError(t, err)
-		waiter <- resp
+		waiter <- result{resp, err}
 	}()
 	select {
 	case <-waiter:
@@ -222,26 +224,36 @@ func TestRule4_WaitModeBlocksUntilHolderFinishesThenReplays(t *testing.T) {
 	}
 	close(release)
 	first, second := <-done, <-waiter
-	require.True(t, second.Replayed)
-	require.Equal(t, first.Body, second.Body)
+	require.NoError(t, first.err)
+	require.NoError(t, second.err)
+	require.True(t, second.resp.Replayed)
+	require.Equal(t, first.resp.Body, second.resp.Body)
 	require.Equal(t, int64(1), calls.Load())
 
-	// Waiting is bounded by ctx.
-	short, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
-	defer cancel()
-	blocker := make(chan struct{})
+	// Waiting is bounded by ctx. The holder is inside its function, so its
+	// insert (and the key's advisory lock) is in place before the waiter
+	// starts; the waiter's deadline starts then too.
+	entered2, blocker := make(chan struct{}), make(chan struct{})
+	held := make(chan result, 1)
 	go func() {
-		_, _ = e.runner.Run(ctx, chargeKey("k2", 1), func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+		resp, err := e.runner.Run(ctx, chargeKey("k2", 1), func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+			close(entered2)
 			<-blocker
 			return txn.Response{Status: 204}, nil
 		})
+		held <- result{resp, err}
 	}()
-	require.Eventually(t, func() bool { return e.Count(t, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'`) > 0 }, 10*time.Second, 5*time.Millisecond)
+	<-entered2
+	short, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
+	defer cancel()
 	_, err := e.runner.Run(short, chargeKey("k2", 1), insertCharge(&calls, "c3", 1))
 	require.ErrorIs(t, err, context.DeadlineExceeded)
+	require.Equal(t, int64(1), calls.Load(), "the waiter ran nothing")
 	close(blocker)
+	h := <-held
+	require.NoError(t, h.err)
+	require.Equal(t, 204, h.resp.Status)
 }
-
 func TestRule5_StaleHolderCannotCommitAfterTakeover(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, &txn.Config{LeaseDuration: time.Minute})
