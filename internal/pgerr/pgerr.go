@@ -22,6 +22,7 @@ const (
 	CannotConnectNow     = "57P03"
 	UndefinedTable       = "42P01"
 	DivisionByZero       = "22012"
+	InFailedTransaction  = "25P02"
 )
 
 // Code returns the SQLSTATE of err, or "" when err carries none.
@@ -41,6 +42,19 @@ func IsRetryable(err error) bool {
 		return true
 	}
 	return false
+}
+
+// IsInFailedTransaction reports a statement refused because an earlier
+// statement of its transaction failed and the transaction is aborted.
+func IsInFailedTransaction(err error) bool { return Code(err) == InFailedTransaction }
+
+// IsServerRejection reports an error the server returned for a statement it
+// refused: a statement that failed this way did not take effect. It is
+// false for errors of the connection, of the context, and for anything the
+// server did not answer, after which a statement (or its implicit
+// transaction's commit) may have taken effect unseen.
+func IsServerRejection(err error) bool {
+	return Code(err) != "" && !IsConnection(err)
 }
 
 // IsUniqueViolation reports a unique-constraint violation.

@@ -24,4 +24,9 @@ func TestClassifiesBySQLSTATE(t *testing.T) {
 	require.False(t, IsConnection(context.Canceled))
 	require.False(t, IsConnection(nil))
 	require.Equal(t, "", Code(errors.New("plain")))
+	require.True(t, IsInFailedTransaction(wrap(InFailedTransaction)))
+	require.True(t, IsServerRejection(wrap(UniqueViolation)))
+	require.False(t, IsServerRejection(wrap(AdminShutdown)), "the server went away: the outcome is unknown")
+	require.False(t, IsServerRejection(context.DeadlineExceeded))
+	require.False(t, IsServerRejection(errors.New("unexpected EOF")))
 }

@@ -2,6 +2,7 @@ package pgtest
 
 import (
 	"bytes"
+	"encoding/binary"
 	"net"
 	"strconv"
 	"sync"
@@ -26,6 +27,7 @@ type Proxy struct {
 	upstream string
 
 	armCommit atomic.Bool
+	armTag    atomic.Pointer[[]byte] // CommandComplete message to cut after, see CutAfterNextStatement
 	cutCommit chan struct{}
 	latency   atomic.Int64 // nanoseconds added before each forwarded chunk
 	refusing  atomic.Bool  // close new connections at once: the database is unreachable
@@ -73,6 +75,23 @@ func (d *DB) NewProxy(tb testing.TB) (*Proxy, *pgxpool.Pool) {
 // (it took effect), the answer is dropped and the client's connection is
 // closed. The client sees an error. CommitCut is signalled when it happened.
 func (p *Proxy) CutAfterNextCommit() { p.armCommit.Store(true) }
+
+// CutAfterNextStatement arms the proxy for a statement run in its own
+// implicit transaction (e.g. an autocommit INSERT): when the server next
+// answers a statement with command tag tag (e.g. "INSERT 0 1") and then
+// reports the transaction ended (ReadyForQuery in the same answer, so the
+// statement committed), the answer is dropped and the client's connection
+// is closed. CommitCut is signalled when it happened.
+func (p *Proxy) CutAfterNextStatement(tag string) {
+	msg := []byte{'C'}
+	msg = binary.BigEndian.AppendUint32(msg, uint32(4+len(tag)+1))
+	msg = append(msg, tag...)
+	msg = append(msg, 0)
+	p.armTag.Store(&msg)
+}
+
+// readyIdle is the server's ReadyForQuery message outside a transaction.
+var readyIdle = []byte("Z\x00\x00\x00\x05I")
 
 // CommitCut is signalled each time an armed commit was cut.
 func (p *Proxy) CommitCut() <-chan struct{} { return p.cutCommit }
@@ -169,6 +188,15 @@ func (p *Proxy) copyDelayed(dst, src net.Conn, fromServer bool) {
 				time.Sleep(d)
 			}
 			chunk := buf[:n]
+			if fromServer && p.tagCommitted(chunk) {
+				_ = dst.Close()
+				_ = src.Close()
+				select {
+				case p.cutCommit <- struct{}{}:
+				default:
+				}
+				return
+			}
 			if fromServer && p.armCommit.Load() && bytes.Contains(chunk, commitComplete) && p.armCommit.CompareAndSwap(true, false) {
 				// The commit happened; its answer never reaches the client.
 				_ = dst.Close()
@@ -187,4 +215,18 @@ func (p *Proxy) copyDelayed(dst, src net.Conn, fromServer bool) {
 			return
 		}
 	}
+}
+
+// tagCommitted reports (and disarms) an armed CutAfterNextStatement whose
+// statement chunk answers, followed by the end of its transaction.
+func (p *Proxy) tagCommitted(chunk []byte) bool {
+	msg := p.armTag.Load()
+	if msg == nil {
+		return false
+	}
+	i := bytes.Index(chunk, *msg)
+	if i < 0 || !bytes.Contains(chunk[i+len(*msg):], readyIdle) {
+		return false
+	}
+	return p.armTag.CompareAndSwap(msg, nil)
 }
