@@ -1,8 +1,8 @@
 -- name: LookupKey :one
--- The request path's read: everything needed to replay, reject or resume,
--- except the stored params (the caller has its own). lease_live is judged by
--- the database clock.
-SELECT id, fingerprint, workflow, recovery_point, phase_results, status,
+-- The request path's read: everything needed to replay or reject the call,
+-- or to decide to take the key over (which returns the phase results).
+-- lease_live is judged by the database clock.
+SELECT id, fingerprint, workflow, recovery_point, status,
        (lease_token IS NOT NULL AND leased_until > now())::boolean AS lease_live,
        coalesce(greatest(extract(epoch FROM leased_until - now()), 0), 0)::float8 AS lease_remaining_seconds,
        attempts, response_status, response_headers, response_body
@@ -10,9 +10,12 @@ FROM idempotency_keys
 WHERE scope = @scope AND key = @key;
 
 -- name: LookupKeyForResume :one
--- Like LookupKey, with the stored request, for resuming without the client.
-SELECT id, fingerprint, request_method, request_path, request_params, workflow,
-       recovery_point, phase_results, status,
+-- Like LookupKey, with the stored request, for resuming without the client:
+-- the params' exact bytes, or for a row written before they were kept, the
+-- jsonb column's text.
+SELECT id, fingerprint, request_method, request_path,
+       coalesce(request_params_raw, convert_to(CAST(request_params AS text), 'UTF8')) AS request_params,
+       workflow, recovery_point, status,
        (lease_token IS NOT NULL AND leased_until > now())::boolean AS lease_live,
        coalesce(greatest(extract(epoch FROM leased_until - now()), 0), 0)::float8 AS lease_remaining_seconds,
        attempts, response_status, response_headers, response_body
@@ -29,18 +32,16 @@ WHERE scope = @scope AND key = @key;
 -- takes no SERIALIZABLE predicate lock; in a SERIALIZABLE single-phase run,
 -- a conflicting row committed after the transaction's snapshot raises a
 -- serialization failure, so the run is retried (and replays) before its
--- function ever runs. A workflow key holds a lease from the start; a
--- single-phase key (NULL token) is invisible to others until it commits,
--- finished.
+-- function ever runs. A workflow key holds a lease from the start. Params
+-- are stored as their canonical bytes (request_params_raw), not as jsonb.
 INSERT INTO idempotency_keys (
-    scope, key, fingerprint, request_method, request_path, request_params,
+    scope, key, fingerprint, request_method, request_path, request_params_raw,
     workflow, recovery_point, phase_results, status, lease_token, leased_until,
     attempts, created_at, last_run_at
 )
-SELECT @scope, @key, @fingerprint, @request_method, @request_path, @request_params,
-       @workflow, 'started', '{}'::jsonb, 'running', sqlc.narg(lease_token)::uuid,
-       CASE WHEN sqlc.narg(lease_token)::uuid IS NOT NULL
-            THEN now() + make_interval(secs => @lease_seconds::float8) END,
+SELECT @scope, @key, @fingerprint, @request_method, @request_path, @request_params::bytea,
+       @workflow, 'started', '{}'::jsonb, 'running', @lease_token::uuid,
+       clock_timestamp() + make_interval(secs => @lease_seconds::float8),
        1, now(), now()
 WHERE pg_try_advisory_xact_lock(
     hashtextextended(length(@scope::text)::text || ':' || @scope::text || @key::text,
@@ -55,11 +56,11 @@ RETURNING id, ctid;
 -- real response. FinishSingleKey then changes only unindexed columns, a HOT
 -- update, instead of rewriting the row and its index entries.
 INSERT INTO idempotency_keys (
-    scope, key, fingerprint, request_method, request_path, request_params,
+    scope, key, fingerprint, request_method, request_path, request_params_raw,
     workflow, recovery_point, phase_results, status, attempts, created_at,
     last_run_at, finished_at, response_status
 )
-SELECT @scope, @key, @fingerprint, @request_method, @request_path, @request_params,
+SELECT @scope, @key, @fingerprint, @request_method, @request_path, @request_params::bytea,
        '', 'finished', '{}'::jsonb, 'finished', 1, now(), now(), now(), 500
 WHERE pg_try_advisory_xact_lock(
     hashtextextended(length(@scope::text)::text || ':' || @scope::text || @key::text,
@@ -69,17 +70,38 @@ RETURNING id, ctid;
 
 -- name: TakeOverKey :one
 -- Takes the lease of a running key whose lease is free or expired, with a new
--- token. Returns no row if another attempt holds a live lease or the key is
--- terminal.
+-- token, unless the key was created more than max_age ago: then, in the same
+-- statement, it fails the key instead (status failed, reason max_age, the
+-- given terminal response), so that no attempt ever resumes an operation
+-- past the age its foreign calls may be repeated at. failed tells which it
+-- did. Returns no row if another attempt holds a live lease or the key is
+-- terminal. The lease counts from clock_timestamp(), not from the start of
+-- the statement's transaction.
 UPDATE idempotency_keys
-SET lease_token = @lease_token,
-    leased_until = now() + make_interval(secs => @lease_seconds::float8),
-    attempts = attempts + 1,
+SET lease_token      = CASE WHEN created_at > now() - make_interval(secs => @max_age_seconds::float8)
+                            THEN @lease_token::uuid END,
+    leased_until     = CASE WHEN created_at > now() - make_interval(secs => @max_age_seconds::float8)
+                            THEN clock_timestamp() + make_interval(secs => @lease_seconds::float8) END,
+    attempts         = CASE WHEN created_at > now() - make_interval(secs => @max_age_seconds::float8)
+                            THEN attempts + 1 ELSE attempts END,
+    status           = CASE WHEN created_at > now() - make_interval(secs => @max_age_seconds::float8)
+                            THEN 'running' ELSE 'failed' END,
+    failure_reason   = CASE WHEN created_at > now() - make_interval(secs => @max_age_seconds::float8)
+                            THEN NULL ELSE 'max_age' END,
+    response_status  = CASE WHEN created_at > now() - make_interval(secs => @max_age_seconds::float8)
+                            THEN NULL ELSE @failure_status::integer END,
+    response_headers = CASE WHEN created_at > now() - make_interval(secs => @max_age_seconds::float8)
+                            THEN NULL ELSE sqlc.arg(failure_headers)::text::jsonb END,
+    response_body    = CASE WHEN created_at > now() - make_interval(secs => @max_age_seconds::float8)
+                            THEN NULL ELSE @failure_body::bytea END,
+    finished_at      = CASE WHEN created_at > now() - make_interval(secs => @max_age_seconds::float8)
+                            THEN NULL ELSE now() END,
     last_run_at = now()
 WHERE id = @id
   AND status = 'running'
   AND (lease_token IS NULL OR leased_until <= now())
-RETURNING ctid, recovery_point, phase_results, attempts;
+RETURNING ctid, recovery_point, phase_results, phase_results_raw, attempts,
+          (status = 'failed')::boolean AS failed, response_status, response_headers, response_body;
 
 -- Fenced updates. The lease holder addresses its row by ctid (a TID scan
 -- locks only the tuple, where an index scan would take a predicate lock on
@@ -87,22 +109,47 @@ RETURNING ctid, recovery_point, phase_results, attempts;
 -- no row means the row moved (see LocateHeldKey) or the lease was lost.
 
 -- name: CommitPhase :one
--- Records a committed phase in the phase's own transaction.
+-- Records a committed phase in the phase's own transaction: member is
+-- `"name":result`, the JSON-encoded name and the result's exact bytes,
+-- appended to the phase_results_raw object (kept as bytes: jsonb cannot hold
+-- every result a foreign call returns). The lease is extended from
+-- clock_timestamp(), the time of this statement, so a phase that ran longer
+-- than the lease still commits a live one.
 UPDATE idempotency_keys
 SET recovery_point = @phase::text,
-    phase_results = phase_results || jsonb_build_object(@phase::text, @result::jsonb),
-    leased_until = now() + make_interval(secs => @lease_seconds::float8),
+    phase_results_raw = CASE WHEN phase_results_raw IS NULL OR length(phase_results_raw) <= 2
+                             THEN '{'::bytea || @member::bytea || '}'::bytea
+                             ELSE overlay(phase_results_raw PLACING ','::bytea || @member::bytea || '}'::bytea
+                                          FROM length(phase_results_raw) FOR 1) END,
+    leased_until = clock_timestamp() + make_interval(secs => @lease_seconds::float8),
     last_run_at = now()
 WHERE ctid = @tid AND id = @id AND lease_token = @lease_token AND status = 'running'
 RETURNING ctid;
 
 -- name: ExtendLease :one
--- Extends a held lease (before a foreign call).
+-- Extends a held lease before a foreign call, from clock_timestamp(); or, if
+-- the key was created more than max_age ago, fails it instead, as
+-- TakeOverKey does, so that the call is not made. failed tells which.
 UPDATE idempotency_keys
-SET leased_until = now() + make_interval(secs => @lease_seconds::float8),
+SET lease_token      = CASE WHEN created_at > now() - make_interval(secs => @max_age_seconds::float8)
+                            THEN lease_token END,
+    leased_until     = CASE WHEN created_at > now() - make_interval(secs => @max_age_seconds::float8)
+                            THEN clock_timestamp() + make_interval(secs => @lease_seconds::float8) END,
+    status           = CASE WHEN created_at > now() - make_interval(secs => @max_age_seconds::float8)
+                            THEN 'running' ELSE 'failed' END,
+    failure_reason   = CASE WHEN created_at > now() - make_interval(secs => @max_age_seconds::float8)
+                            THEN NULL ELSE 'max_age' END,
+    response_status  = CASE WHEN created_at > now() - make_interval(secs => @max_age_seconds::float8)
+                            THEN NULL ELSE @failure_status::integer END,
+    response_headers = CASE WHEN created_at > now() - make_interval(secs => @max_age_seconds::float8)
+                            THEN NULL ELSE sqlc.arg(failure_headers)::text::jsonb END,
+    response_body    = CASE WHEN created_at > now() - make_interval(secs => @max_age_seconds::float8)
+                            THEN NULL ELSE @failure_body::bytea END,
+    finished_at      = CASE WHEN created_at > now() - make_interval(secs => @max_age_seconds::float8)
+                            THEN NULL ELSE now() END,
     last_run_at = now()
 WHERE ctid = @tid AND id = @id AND lease_token = @lease_token AND status = 'running'
-RETURNING ctid;
+RETURNING ctid, (status = 'failed')::boolean AS failed, response_status, response_headers, response_body;
 
 -- name: LocateHeldKey :one
 -- Finds the current ctid of a key whose lease this attempt still holds;
@@ -117,7 +164,7 @@ UPDATE idempotency_keys
 SET status = 'finished',
     recovery_point = @recovery_point,
     response_status = @response_status,
-    response_headers = @response_headers,
+    response_headers = sqlc.arg(response_headers)::text::jsonb,
     response_body = @response_body,
     finished_at = now(),
     last_run_at = now(),
@@ -126,6 +173,25 @@ SET status = 'finished',
 WHERE ctid = @tid AND id = @id AND lease_token IS NOT DISTINCT FROM sqlc.narg(lease_token)::uuid
   AND status = 'running'
 RETURNING ctid;
+
+-- name: DeleteUnstartedKey :execrows
+-- Removes a key that the attempt holding its lease inserted and ran nothing
+-- under (no phase committed, no foreign call): after a response that is not
+-- stored (a rejection the client may correct), or after an insert whose
+-- outcome the caller could not see (its COMMIT may have succeeded). The key
+-- is then as if never used, so the client's retry runs. Runs in its own
+-- transaction.
+DELETE FROM idempotency_keys
+WHERE scope = @scope AND key = @key AND lease_token = @lease_token::uuid
+  AND status = 'running' AND recovery_point = 'started' AND attempts = 1;
+
+-- name: LockKey :exec
+-- Waits for the transaction-scoped advisory lock InsertKey takes on (scope,
+-- key), that is, for an insert still in flight to commit or abort, and holds
+-- it until the caller's transaction ends.
+SELECT pg_advisory_xact_lock(
+    hashtextextended(length(@scope::text)::text || ':' || @scope::text || @key::text,
+                     'idempotency_keys'::regclass::oid::bigint));
 
 -- name: ReleaseKey :execrows
 -- Frees the lease after a transient error; the recovery point stays, so a
@@ -143,7 +209,7 @@ WHERE id = @id AND lease_token = @lease_token AND status = 'running';
 WITH stored AS (
     UPDATE idempotency_keys
     SET response_status = @response_status,
-        response_headers = @response_headers,
+        response_headers = sqlc.arg(response_headers)::text::jsonb,
         response_body = @response_body
     WHERE ctid = @tid AND id = @id AND lease_token IS NULL AND status = 'finished'
     RETURNING 1

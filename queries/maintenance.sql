@@ -31,7 +31,7 @@ UPDATE idempotency_keys AS k
 SET status = 'failed',
     failure_reason = c.reason,
     response_status = @response_status::integer,
-    response_headers = @response_headers::jsonb,
+    response_headers = sqlc.arg(response_headers)::text::jsonb,
     response_body = CASE c.reason
                         WHEN 'unknown_workflow' THEN @unknown_workflow_body::bytea
                         WHEN 'max_attempts' THEN @max_attempts_body::bytea

@@ -10,7 +10,8 @@
 //     UPDATE per batch: keys whose workflow is not registered (or single-phase
 //     keys, which cannot be resumed) once they are older than
 //     [Config.UnknownWorkflowDelay], keys whose attempts reached
-//     [Config.MaxAttempts], and keys older than [Config.MaxAge]. A failed key
+//     [Config.MaxAttempts], and keys older than the runner's MaxAge
+//     (txn.Config.MaxAge). A failed key
 //     stores a terminal 500 response with an application/problem+json body
 //     and a failure_reason ([ReasonUnknownWorkflow], [ReasonMaxAttempts],
 //     [ReasonMaxAge]); every later retry of the key replays that response and
@@ -25,13 +26,17 @@
 // and each resume takes the key's lease atomically (txn's Runner.Resume), so
 // no two attempts ever work on one key.
 //
-// MaxAge must be shorter than 24 hours: payment providers keep their own
-// idempotency keys for about that long (Stripe: 24 h), so a foreign phase
-// resumed later could charge twice.
+// A Resumer works through the service's own txn.Runner ([New]): its pool, its
+// registry of workflows, its lease and its MaxAge. MaxAge must be shorter
+// than 24 hours, because payment providers keep their own idempotency keys
+// for about that long (Stripe: 24 h) and a foreign phase resumed later could
+// charge twice; the runner enforces the same age on client retries, so a
+// foreign call is never repeated more than MaxAge after its key was created,
+// whoever resumes the operation.
 //
 // A service resumes its own workflows by running a Resumer in-process with
-// the registry its request path uses. A process without user code (such as
-// the generic reaper command) passes an empty registry: it cannot resume
-// anything, so it fails stalled keys once they are older than
+// the runner its request path uses. A process without user code (such as
+// the generic reaper command) passes a runner with an empty registry: it
+// cannot resume anything, so it fails stalled keys once they are older than
 // UnknownWorkflowDelay, and leaves younger ones to the services.
 package recovery

@@ -2,12 +2,13 @@ package recovery
 
 import "errors"
 
-// Sentinel errors, matched with errors.Is.
+// Sentinel errors, matched with errors.Is. Their text carries no package
+// prefix: the functions that return them add "recovery: op:" once.
 var (
-	// ErrInvalidConfig: New was given a nil pool or registry, or a Config
-	// value outside its documented range.
-	ErrInvalidConfig = errors.New("recovery: invalid config")
+	// ErrInvalidConfig: New was given a nil runner, or a Config value
+	// outside its documented range.
+	ErrInvalidConfig = errors.New("invalid config")
 
 	// ErrAlreadyStarted: Start was called on a Resumer that is running.
-	ErrAlreadyStarted = errors.New("recovery: already started")
+	ErrAlreadyStarted = errors.New("already started")
 )

@@ -2,12 +2,10 @@ package recovery_test
 
 import (
 	"context"
-	"fmt"
 	"log/slog"
 	"os"
 	"os/signal"
 	"syscall"
-	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -17,7 +15,8 @@ import (
 )
 
 // A service resumes its own stalled workflows by running a Resumer
-// in-process with the registry its request path uses.
+// in-process with the runner its request path uses: the same registry, the
+// same lease and the same MaxAge.
 func ExampleResumer_Start() {
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, os.Interrupt)
 	defer stop()
@@ -40,9 +39,14 @@ func ExampleResumer_Start() {
 		logger.Error("register", "error", err)
 		return
 	}
+	runner, err := txn.New(pool, &txn.Config{Workflows: registry, Logger: logger})
+	if err != nil {
+		logger.Error("runner", "error", err)
+		return
+	}
 	// The request path: runner.RunWorkflow(ctx, key, createRide).
-	// Recovery: the same registry, so the same code resumes stalled keys.
-	resumer, err := recovery.New(pool, registry, &recovery.Config{Logger: logger})
+	// Recovery: the same runner, so the same code resumes stalled keys.
+	resumer, err := recovery.New(runner, nil)
 	if err != nil {
 		logger.Error("resumer", "error", err)
 		return
@@ -65,7 +69,11 @@ func ExampleResumer_RunOnce() {
 		return
 	}
 	defer pool.Close()
-	resumer, err := recovery.New(pool, txn.NewRegistry(), nil)
+	runner, err := txn.New(pool, nil) // no workflows: it fails stalled keys it cannot resume
+	if err != nil {
+		return
+	}
+	resumer, err := recovery.New(runner, nil)
 	if err != nil {
 		return
 	}
@@ -75,18 +83,4 @@ func ExampleResumer_RunOnce() {
 		return
 	}
 	slog.Info("recovery round", "resumed", report.Resumed, "failed", report.Failed(), "left", report.Left)
-}
-
-// MaxAge must stay under the payment providers' 24-hour idempotency window,
-// so New rejects longer values.
-func ExampleNew_maxAgeLimit() {
-	pool, err := pgxpool.New(context.Background(), "postgres://localhost/none") // connects lazily
-	if err != nil {
-		return
-	}
-	defer pool.Close()
-	_, err = recovery.New(pool, txn.NewRegistry(), &recovery.Config{MaxAge: 36 * time.Hour})
-	fmt.Println(err)
-	// Output:
-	// recovery: new: recovery: invalid config: MaxAge 36h0m0s must be shorter than 24h0m0s, the payment providers' idempotency window
 }

@@ -3,18 +3,16 @@ package recovery
 import (
 	"cmp"
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
 	"math"
-	"net/http"
 	"sync"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgxpool"
-
 	"github.com/atomicphase/atomicphase/internal/db"
+	"github.com/atomicphase/atomicphase/internal/failure"
+	txnoutcome "github.com/atomicphase/atomicphase/internal/outcome"
 	"github.com/atomicphase/atomicphase/internal/service"
 	"github.com/atomicphase/atomicphase/txn"
 )
@@ -25,26 +23,25 @@ const (
 	// ReasonUnknownWorkflow: no workflow registered under the key's name
 	// (or a single-phase key, which cannot be resumed) and the key is older
 	// than Config.UnknownWorkflowDelay.
-	ReasonUnknownWorkflow = "unknown_workflow"
+	ReasonUnknownWorkflow = failure.ReasonUnknownWorkflow
 	// ReasonMaxAttempts: the key was taken Config.MaxAttempts times without
 	// reaching a terminal response.
-	ReasonMaxAttempts = "max_attempts"
-	// ReasonMaxAge: the key is older than Config.MaxAge.
-	ReasonMaxAge = "max_age"
+	ReasonMaxAttempts = failure.ReasonMaxAttempts
+	// ReasonMaxAge: the key is older than the runner's txn.Config.MaxAge.
+	// The runner fails such a key too, when a client retry would take it over.
+	ReasonMaxAge = failure.ReasonMaxAge
 )
 
 // FailureStatus is the HTTP status stored for a key that recovery fails.
-const FailureStatus = http.StatusInternalServerError
-
-// MaxAgeLimit bounds Config.MaxAge: payment providers keep idempotency keys
-// for about 24 hours, so an operation must not be resumed after that.
-const MaxAgeLimit = 24 * time.Hour
+const FailureStatus = failure.Status
 
 // Config configures a Resumer. The zero value is usable; every field states
-// its default.
+// its default. The lease a resume holds, the maximum age of a key and the
+// workflows are the runner's (txn.Config): one setting for the request path
+// and for recovery.
 type Config struct {
-	// Logger receives resumed and failed keys (with snake_case attributes)
-	// and round summaries of Start. Default: slog.Default().
+	// Logger receives failed keys (with snake_case attributes) and round
+	// summaries of Start. Default: the runner's logger.
 	Logger *slog.Logger
 
 	// ResumeDelay is how long after its last run a running key with a free
@@ -58,14 +55,9 @@ type Config struct {
 	// ReasonMaxAttempts. Default: 10.
 	MaxAttempts int
 
-	// MaxAge fails stalled keys created longer ago than this, with
-	// ReasonMaxAge. It must be shorter than MaxAgeLimit (24 hours), the
-	// payment providers' idempotency window. Default: 12 hours.
-	MaxAge time.Duration
-
 	// UnknownWorkflowDelay fails stalled keys whose workflow is not in the
-	// registry (and running single-phase keys, which cannot be resumed)
-	// once they were created longer ago than this, with
+	// runner's registry (and running single-phase keys, which cannot be
+	// resumed) once they were created longer ago than this, with
 	// ReasonUnknownWorkflow. Younger ones are left for a resumer that has
 	// the workflow. Default: 1 hour.
 	UnknownWorkflowDelay time.Duration
@@ -80,11 +72,6 @@ type Config struct {
 	// Interval is the time between the starts of two rounds run by Start.
 	// Default: 30 seconds.
 	Interval time.Duration
-
-	// LeaseDuration is the lease a resume holds on a key, passed to the
-	// internal txn Runner (txn.Config.LeaseDuration); make it longer than
-	// the slowest phase. Default: txn's default, 90 seconds.
-	LeaseDuration time.Duration
 }
 
 // Report says what one round did.
@@ -119,83 +106,57 @@ type Resumer struct {
 	q        *db.Queries
 	runner   *txn.Runner
 	registry *txn.Registry
+	maxAge   time.Duration
 	cfg      Config
 	log      *slog.Logger
 
-	headers []byte
-	bodies  map[string][]byte
+	bodies map[string][]byte
 
 	loop service.Loop
 }
 
-// New returns a Resumer over pool that resumes keys with the workflows in
-// registry. registry may be empty (a process without user code) but not nil;
-// cfg may be nil. Invalid values give an error wrapping ErrInvalidConfig.
-func New(pool *pgxpool.Pool, registry *txn.Registry, cfg *Config) (*Resumer, error) {
-	if pool == nil {
-		return nil, fmt.Errorf("recovery: new: %w: pool is nil", ErrInvalidConfig)
-	}
-	if registry == nil {
-		return nil, fmt.Errorf("recovery: new: %w: registry is nil (pass txn.NewRegistry() to resume nothing)", ErrInvalidConfig)
+// New returns a Resumer that resumes stalled keys with runner, the service's
+// own: its pool, its registry of workflows (which may be empty, in a process
+// without user code), its lease and its MaxAge, so that recovery and the
+// request path follow the same settings. cfg may be nil. Invalid values give
+// an error wrapping ErrInvalidConfig.
+func New(runner *txn.Runner, cfg *Config) (*Resumer, error) {
+	if runner == nil {
+		return nil, fmt.Errorf("recovery: new: %w: runner is nil", ErrInvalidConfig)
 	}
 	if cfg == nil {
 		cfg = &Config{}
 	}
+	rc := runner.Config()
 	c := *cfg
-	if c.ResumeDelay < 0 || c.MaxAttempts < 0 || c.MaxAge < 0 || c.UnknownWorkflowDelay < 0 ||
-		c.BatchSize < 0 || c.Concurrency < 0 || c.Interval < 0 || c.LeaseDuration < 0 {
+	if c.ResumeDelay < 0 || c.MaxAttempts < 0 || c.UnknownWorkflowDelay < 0 ||
+		c.BatchSize < 0 || c.Concurrency < 0 || c.Interval < 0 {
 		return nil, fmt.Errorf("recovery: new: %w: negative durations and counts are not allowed", ErrInvalidConfig)
 	}
-	c.Logger = cmp.Or(c.Logger, slog.Default())
+	c.Logger = cmp.Or(c.Logger, rc.Logger)
 	c.ResumeDelay = cmp.Or(c.ResumeDelay, time.Minute)
 	c.MaxAttempts = cmp.Or(c.MaxAttempts, 10)
-	c.MaxAge = cmp.Or(c.MaxAge, 12*time.Hour)
 	c.UnknownWorkflowDelay = cmp.Or(c.UnknownWorkflowDelay, time.Hour)
 	c.BatchSize = cmp.Or(c.BatchSize, 100)
 	c.Concurrency = cmp.Or(c.Concurrency, 4)
 	c.Interval = cmp.Or(c.Interval, 30*time.Second)
 	switch {
-	case c.MaxAge >= MaxAgeLimit:
-		return nil, fmt.Errorf("recovery: new: %w: MaxAge %v must be shorter than %v, the payment providers' idempotency window",
-			ErrInvalidConfig, c.MaxAge, MaxAgeLimit)
 	case c.MaxAttempts > math.MaxInt32:
 		return nil, fmt.Errorf("recovery: new: %w: MaxAttempts %d is too large", ErrInvalidConfig, c.MaxAttempts)
 	case c.BatchSize > 10000:
 		return nil, fmt.Errorf("recovery: new: %w: BatchSize %d is larger than 10000", ErrInvalidConfig, c.BatchSize)
 	}
-	runner, err := txn.New(pool, &txn.Config{Workflows: registry, Logger: c.Logger, LeaseDuration: c.LeaseDuration})
-	if err != nil {
-		return nil, fmt.Errorf("recovery: new: %w: %w", ErrInvalidConfig, err)
-	}
 	r := &Resumer{
-		q: db.New(pool), runner: runner, registry: registry, cfg: c, log: c.Logger,
-		headers: []byte(`{"Content-Type":["application/problem+json"]}`),
+		q: db.New(runner.Pool()), runner: runner, registry: rc.Workflows, maxAge: rc.MaxAge, cfg: c, log: c.Logger,
 		bodies: map[string][]byte{
-			ReasonUnknownWorkflow: problem(ReasonUnknownWorkflow,
+			ReasonUnknownWorkflow: failure.Body(ReasonUnknownWorkflow,
 				"no handler that can complete it is available, so it was stopped after its last completed step"),
-			ReasonMaxAttempts: problem(ReasonMaxAttempts,
+			ReasonMaxAttempts: failure.Body(ReasonMaxAttempts,
 				fmt.Sprintf("it was attempted %d times without finishing, so it was stopped after its last completed step", c.MaxAttempts)),
-			ReasonMaxAge: problem(ReasonMaxAge,
-				fmt.Sprintf("it did not finish within %v of its first attempt, so it was stopped after its last completed step", c.MaxAge)),
+			ReasonMaxAge: failure.MaxAgeBody(rc.MaxAge),
 		},
 	}
 	return r, nil
-}
-
-// problem returns an RFC 9457 problem body for a failed key.
-func problem(reason, why string) []byte {
-	b, _ := json.Marshal(struct { // cannot fail: strings and an int only
-		Title  string `json:"title"`
-		Status int    `json:"status"`
-		Detail string `json:"detail"`
-		Reason string `json:"reason"`
-	}{
-		Title:  "Operation could not be completed",
-		Status: FailureStatus,
-		Detail: "The operation could not be completed: " + why + ". Retrying with the same idempotency key returns this response.",
-		Reason: reason,
-	})
-	return b
 }
 
 // RunOnce runs one round: it fails the stalled keys that meet a failure rule,
@@ -218,7 +179,7 @@ func (r *Resumer) RunOnce(ctx context.Context) (Report, error) {
 				ResumeDelaySeconds: r.cfg.ResumeDelay.Seconds(),
 				Registered:         registered,
 				MaxAttempts:        int32(r.cfg.MaxAttempts),
-				MaxAgeSeconds:      r.cfg.MaxAge.Seconds(),
+				MaxAgeSeconds:      r.maxAge.Seconds(),
 				BatchSize:          int32(r.cfg.BatchSize),
 			})
 		})
@@ -296,7 +257,7 @@ func (r *Resumer) count(ctx context.Context, registered []string) (db.CountStall
 		Registered:                  registered,
 		UnknownWorkflowDelaySeconds: r.cfg.UnknownWorkflowDelay.Seconds(),
 		MaxAttempts:                 int32(r.cfg.MaxAttempts),
-		MaxAgeSeconds:               r.cfg.MaxAge.Seconds(),
+		MaxAgeSeconds:               r.maxAge.Seconds(),
 		ResumeDelaySeconds:          r.cfg.ResumeDelay.Seconds(),
 	})
 	if err != nil {
@@ -313,7 +274,7 @@ func (r *Resumer) failStalled(ctx context.Context, registered []string, rep *Rep
 		rows, err := inBatch(ctx, func(ctx context.Context) ([]db.FailStalledKeysRow, error) {
 			return r.q.FailStalledKeys(ctx, db.FailStalledKeysParams{
 				ResponseStatus:              FailureStatus,
-				ResponseHeaders:             r.headers,
+				ResponseHeaders:             failure.Header,
 				UnknownWorkflowBody:         r.bodies[ReasonUnknownWorkflow],
 				MaxAttemptsBody:             r.bodies[ReasonMaxAttempts],
 				MaxAgeBody:                  r.bodies[ReasonMaxAge],
@@ -321,7 +282,7 @@ func (r *Resumer) failStalled(ctx context.Context, registered []string, rep *Rep
 				UnknownWorkflowDelaySeconds: r.cfg.UnknownWorkflowDelay.Seconds(),
 				MaxAttempts:                 int32(r.cfg.MaxAttempts),
 				ResumeDelaySeconds:          r.cfg.ResumeDelay.Seconds(),
-				MaxAgeSeconds:               r.cfg.MaxAge.Seconds(),
+				MaxAgeSeconds:               r.maxAge.Seconds(),
 				BatchSize:                   int32(r.cfg.BatchSize),
 			})
 		})
@@ -373,6 +334,8 @@ func (r *Resumer) resumeAll(ctx context.Context, rows []db.ClaimStalledKeysRow, 
 				rep.Skipped++
 			case failed:
 				rep.Errors++
+			case failedMaxAge:
+				rep.FailedMaxAge++
 			}
 		})
 	}
@@ -385,11 +348,15 @@ const (
 	resumed
 	skipped
 	failed
+	failedMaxAge
 )
 
 func (r *Resumer) resume(ctx context.Context, row db.ClaimStalledKeysRow) outcome {
-	resp, err := r.runner.Resume(ctx, row.Scope, row.Key)
+	rctx, settled := txnoutcome.With(ctx)
+	resp, err := r.runner.Resume(rctx, row.Scope, row.Key)
 	switch {
+	case err == nil && settled.FailedMaxAge:
+		return failedMaxAge // it reached MaxAge since it was claimed; the runner logged it
 	case err == nil && resp.Replayed:
 		return skipped // a client retry finished it first
 	case err == nil:
@@ -403,7 +370,8 @@ func (r *Resumer) resume(ctx context.Context, row db.ClaimStalledKeysRow) outcom
 	case ctx.Err() != nil:
 		return cancelled // released by txn; resumed by a later round
 	default:
-		r.log.WarnContext(ctx, "resume failed; key left resumable",
+		// The runner logged the failure (one WARN); the round counts it.
+		r.log.DebugContext(ctx, "resume failed; key left resumable",
 			"scope", row.Scope, "key", row.Key, "workflow", row.Workflow, "error", err)
 		return failed
 	}

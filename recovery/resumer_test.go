@@ -16,10 +16,21 @@ import (
 	"github.com/atomicphase/atomicphase/txn"
 )
 
+// newResumer returns a Resumer over a runner with registry and the
+// default MaxAge.
 func newResumer(t *testing.T, f *fixture, registry *txn.Registry, cfg recovery.Config) *recovery.Resumer {
 	t.Helper()
+	return newResumerWith(t, f.d.Pool, &txn.Config{Workflows: registry}, cfg)
+}
+
+// newResumerWith returns a Resumer over a new runner on pool with rc.
+func newResumerWith(t *testing.T, pool *pgxpool.Pool, rc *txn.Config, cfg recovery.Config) *recovery.Resumer {
+	t.Helper()
+	rc.Logger = quiet
+	runner, err := txn.New(pool, rc)
+	require.NoError(t, err)
 	cfg.Logger = quiet
-	r, err := recovery.New(f.d.Pool, registry, &cfg)
+	r, err := recovery.New(runner, &cfg)
 	require.NoError(t, err)
 	return r
 }
@@ -118,7 +129,7 @@ func TestResumerLeavesFreshRecentlyRunLeasedAndFinishedKeysAlone(t *testing.T) {
 	require.Equal(t, "fresh", <-f.waits)
 
 	before := f.snapshot(t)
-	r := newResumer(t, f, f.registry, recovery.Config{MaxAge: time.Hour, MaxAttempts: 2})
+	r := newResumerWith(t, f.d.Pool, &txn.Config{Workflows: f.registry, MaxAge: time.Hour}, recovery.Config{MaxAttempts: 2})
 	rep, err := r.RunOnce(ctx)
 	require.NoError(t, err)
 	require.Equal(t, recovery.Report{}, rep)
@@ -165,8 +176,7 @@ func TestConcurrentResumersResumeEachKeyExactlyOnce(t *testing.T) {
 	for i := range resumers {
 		// Each resumer has its own pool, as separate processes would.
 		pool := f.d.NewPool(t, func(c *pgxpool.Config) { c.MaxConns = 6 })
-		r, err := recovery.New(pool, f.registry, &recovery.Config{Logger: quiet, BatchSize: 50})
-		require.NoError(t, err)
+		r := newResumerWith(t, pool, &txn.Config{Workflows: f.registry}, recovery.Config{BatchSize: 50})
 		wg.Go(func() {
 			<-start
 			rep, err := r.RunOnce(ctx)
@@ -436,28 +446,61 @@ func TestResumerRunOnceReportsCancellation(t *testing.T) {
 
 func TestNewRejectsInvalidConfig(t *testing.T) {
 	t.Parallel()
-	pool := pgtest.Pool(t)
-	reg := txn.NewRegistry()
-	_, err := recovery.New(nil, reg, nil)
+	runner, err := txn.New(pgtest.Pool(t), nil)
+	require.NoError(t, err)
+	_, err = recovery.New(nil, nil)
 	require.ErrorIs(t, err, recovery.ErrInvalidConfig)
-	_, err = recovery.New(pool, nil, nil)
-	require.ErrorIs(t, err, recovery.ErrInvalidConfig)
+	require.Equal(t, "recovery: new: invalid config: runner is nil", err.Error(), "one prefix")
 	for name, cfg := range map[string]recovery.Config{
-		"max age of a day":        {MaxAge: 24 * time.Hour},
-		"max age over a day":      {MaxAge: 36 * time.Hour},
-		"negative resume delay":   {ResumeDelay: -time.Second},
-		"negative max attempts":   {MaxAttempts: -1},
-		"negative unknown delay":  {UnknownWorkflowDelay: -time.Second},
-		"negative concurrency":    {Concurrency: -1},
-		"negative interval":       {Interval: -1},
-		"huge batch":              {BatchSize: 10001},
-		"lease shorter than 10ms": {LeaseDuration: time.Millisecond},
+		"negative resume delay":  {ResumeDelay: -time.Second},
+		"negative max attempts":  {MaxAttempts: -1},
+		"negative unknown delay": {UnknownWorkflowDelay: -time.Second},
+		"negative concurrency":   {Concurrency: -1},
+		"negative interval":      {Interval: -1},
+		"huge batch":             {BatchSize: 10001},
 	} {
-		_, err := recovery.New(pool, reg, &cfg)
+		_, err := recovery.New(runner, &cfg)
 		require.ErrorIs(t, err, recovery.ErrInvalidConfig, name)
 	}
-	_, err = recovery.New(pool, reg, &recovery.Config{MaxAge: 24*time.Hour - time.Second})
+	_, err = recovery.New(runner, nil)
 	require.NoError(t, err)
-	_, err = recovery.New(pool, reg, nil)
+}
+
+// The Resumer takes MaxAge from the service's runner, so recovery and a
+// client retry draw the line at the same age, and fail a key with the same
+// stored response.
+func TestResumerFollowsTheRunnersMaxAge(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := newFixture(t)
+	runner, err := txn.New(f.d.Pool, &txn.Config{Workflows: f.registry, Logger: quiet, MaxAge: time.Hour})
 	require.NoError(t, err)
+	r, err := recovery.New(runner, &recovery.Config{Logger: quiet})
+	require.NoError(t, err)
+
+	for _, key := range []string{"old", "young", "retried"} {
+		f.failOnce(key, "charge")
+		_, err := runner.RunWorkflow(ctx, f.chargeKey(key, 7), f.wf)
+		require.ErrorIs(t, err, errTransient)
+	}
+	f.exec(t, `UPDATE idempotency_keys SET created_at = now() - interval '2 hours', last_run_at = now() - interval '1 hour' WHERE key = 'old'`)
+	f.exec(t, `UPDATE idempotency_keys SET created_at = now() - interval '30 minutes', last_run_at = now() - interval '10 minutes' WHERE key = 'young'`)
+	// Last run a moment ago: the Resumer leaves it to the client.
+	f.exec(t, `UPDATE idempotency_keys SET created_at = now() - interval '2 hours', last_run_at = now() WHERE key = 'retried'`)
+
+	rep, err := r.RunOnce(ctx)
+	require.NoError(t, err)
+	require.Equal(t, recovery.Report{Resumed: 1, FailedMaxAge: 1, Left: 0}, rep)
+	require.Equal(t, recovery.ReasonMaxAge, f.row(t, "old").FailureReason)
+	require.Equal(t, "finished", f.row(t, "young").Status)
+
+	resp, err := runner.RunWorkflow(ctx, f.chargeKey("retried", 7), f.wf)
+	require.NoError(t, err)
+	require.Equal(t, recovery.FailureStatus, resp.Status)
+	require.Equal(t, recovery.ReasonMaxAge, f.row(t, "retried").FailureReason)
+	byResumer, err := runner.RunWorkflow(ctx, f.chargeKey("old", 7), f.wf)
+	require.NoError(t, err)
+	require.Equal(t, byResumer.Body, resp.Body, "one failure shape, whoever stored it")
+	require.Contains(t, string(resp.Body), "1h0m0s")
+	require.Empty(t, f.effects(t, "retried")["charge"], "no foreign call past MaxAge")
 }

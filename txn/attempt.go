@@ -1,6 +1,7 @@
 package txn
 
 import (
+	"bytes"
 	"context"
 	"crypto/sha256"
 	"encoding/binary"
@@ -8,12 +9,15 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"strings"
+	"unicode/utf8"
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgtype"
 
 	"github.com/atomicphase/atomicphase/internal/db"
+	"github.com/atomicphase/atomicphase/internal/failure"
 	"github.com/atomicphase/atomicphase/internal/phasectx"
 )
 
@@ -30,13 +34,18 @@ type Attempt struct {
 	number   int
 	start    string
 	point    string
-	results  map[string]json.RawMessage
+	results  map[string]json.RawMessage // committed phases' results, exact bytes
 	seen     map[string]bool
-	finished *Response
+	called   bool      // a Foreign phase's function was called
+	closed   bool      // Finish ran
+	finished *Response // stored by Finish
+	tooOld   *Response // stored instead of a foreign call: the key is past MaxAge
 }
 
-// Params returns the request's params as JSON: the caller's on the request
-// path, the stored ones on a resume.
+// Params returns the request's params as canonical JSON (object keys
+// sorted, insignificant whitespace removed, number literals as the client
+// wrote them): the same bytes on the first attempt and on every retry and
+// resume.
 func (a *Attempt) Params() json.RawMessage { return json.RawMessage(a.req.params) }
 
 // Key returns the scope and value of the idempotency key being run.
@@ -69,12 +78,22 @@ func (a *Attempt) ForeignKey(phase string) string {
 	return "ap_" + hex.EncodeToString(h.Sum(nil))
 }
 
+// unstarted reports that nothing took effect under the key yet: this
+// attempt inserted it (every takeover counts an attempt, and an earlier
+// attempt may have called a foreign system without recording it), no phase
+// committed and no foreign call was made.
+func (a *Attempt) unstarted() bool {
+	return a.number == 1 && a.point == pointStarted && !a.called
+}
+
 func (a *Attempt) enter(name string) error {
 	switch {
-	case a.finished != nil:
+	case a.closed:
 		return fmt.Errorf("%w: phase %q after Finish", ErrInvalidUse, name)
-	case name == "" || len(name) > 200:
-		return fmt.Errorf("%w: phase name must be 1-200 bytes", ErrInvalidUse)
+	case a.tooOld != nil:
+		return fmt.Errorf("phase %q: %w", name, errTooOld)
+	case name == "" || len(name) > 200 || !utf8.ValidString(name) || strings.IndexByte(name, 0) >= 0:
+		return fmt.Errorf("%w: phase name must be 1-200 bytes of UTF-8 without NUL", ErrInvalidUse)
 	case name == pointStarted || name == pointFinished:
 		return fmt.Errorf("%w: phase name %q is reserved", ErrInvalidUse, name)
 	case a.seen[name]:
@@ -84,6 +103,11 @@ func (a *Attempt) enter(name string) error {
 	return nil
 }
 
+// errTooOld is returned by a Foreign phase of a key older than
+// Config.MaxAge: the key was failed instead of the call being made, and
+// the workflow's answer is that stored failure, whatever it returns.
+var errTooOld = errors.New("key is older than MaxAge: failed with a stored response instead of calling out")
+
 // startPhase checks a phase about to run (Atomic and Foreign): done is true
 // when the phase must not run, with err for misuse, or with the stored
 // result of an earlier attempt that committed it.
@@ -92,13 +116,8 @@ func startPhase[T any](a *Attempt, name string, nilFunc bool) (v T, done bool, e
 		return v, true, fmt.Errorf("txn: phase %q: %w: nil func", name, ErrInvalidUse)
 	}
 	if err := a.enter(name); err != nil {
-		return v, true, fmt.Errorf("txn: phase: %w", err)
+		return v, true, fmt.Errorf("txn: %w", err)
 	}
-	return storedResult[T](a, name)
-}
-
-func storedResult[T any](a *Attempt, name string) (T, bool, error) {
-	var v T
 	raw, ok := a.results[name]
 	if !ok {
 		return v, false, nil
@@ -113,11 +132,14 @@ func storedResult[T any](a *Attempt, name string) (T, bool, error) {
 // records the phase as the key's recovery point with fn's result (JSON
 // encoded), fenced by the attempt's lease. If the phase already committed
 // in an earlier attempt, fn does not run and its stored result is returned.
-// Serialization failures retry this phase only. An error from fn rolls the
-// phase back and is returned.
+// Serialization failures and deadlocks retry this phase only (fn runs
+// again; only one run commits), including those fn's statements met and fn
+// swallowed. An error from fn rolls the phase back and is returned. tx
+// cannot be committed or rolled back by fn (ErrInvalidUse).
 //
-// The result is always the JSON round trip of fn's value, so an attempt
-// that runs the phase and one that resumes after it see the same value.
+// The result is always the JSON round trip of fn's value, stored as the
+// exact bytes encoding/json produced, so an attempt that runs the phase and
+// one that resumes after it see the same value.
 func Atomic[T any](ctx context.Context, a *Attempt, name string, fn func(ctx context.Context, tx pgx.Tx) (T, error)) (T, error) {
 	var zero T
 	if v, done, err := startPhase[T](a, name, fn == nil); done {
@@ -126,8 +148,15 @@ func Atomic[T any](ctx context.Context, a *Attempt, name string, fn func(ctx con
 	var raw []byte
 	var tid pgtype.TID
 	err := a.r.inTx(ctx, func(tx pgx.Tx) error {
-		v, err := guard(func() (T, error) { return fn(phasectx.WithKeyID(ctx, a.id), tx) })
+		utx := newUserTx(tx)
+		v, err := guard(func() (T, error) { return fn(phasectx.WithKeyID(ctx, a.id), utx) })
+		if rerr := utx.retry(); rerr != nil {
+			return rerr // whatever fn made of it
+		}
 		if err != nil {
+			return err
+		}
+		if err := utx.usable(); err != nil {
 			return err
 		}
 		raw, err = json.Marshal(v)
@@ -135,7 +164,7 @@ func Atomic[T any](ctx context.Context, a *Attempt, name string, fn func(ctx con
 			return fmt.Errorf("%w: encode result: %w", ErrInvalidUse, err)
 		}
 		tid, err = a.commitPhase(ctx, a.r.q.WithTx(tx), name, raw)
-		return err
+		return utx.explain(err)
 	})
 	if err != nil {
 		return zero, fmt.Errorf("txn: phase %q: %w", name, err)
@@ -146,29 +175,54 @@ func Atomic[T any](ctx context.Context, a *Attempt, name string, fn func(ctx con
 
 // Foreign runs fn, a call to a system outside the database (a payment
 // provider, an e-mail service), outside any transaction, then commits its
-// result (JSON encoded) as the key's recovery point. fn receives a foreign
-// key, the same on every retry and resume; pass it to the provider as its
-// idempotency key so that a call repeated after a crash is deduplicated
-// there. If the phase already committed, fn does not run and its stored
-// result is returned. An error from fn is returned and nothing is stored:
-// return a terminal Response from the workflow for a definitive failure
-// (e.g. card declined), or the error to leave the key resumable.
+// result (JSON encoded, stored as the exact bytes, so any value encoding/json
+// produces is recorded, \u0000 and huge numbers included) as the key's
+// recovery point. fn receives a foreign key, the same on every retry and
+// resume; pass it to the provider as its idempotency key so that a call
+// repeated after a crash is deduplicated there. If the phase already
+// committed, fn does not run and its stored result is returned. An error
+// from fn is returned and nothing is stored: return a terminal Response from
+// the workflow for a definitive failure (e.g. card declined), or the error
+// to leave the key resumable.
+//
+// Before calling fn, the lease is checked and extended; if the key is older
+// than Config.MaxAge, fn is not called: the key is failed with a stored
+// problem response, which becomes the workflow's answer.
 func Foreign[T any](ctx context.Context, a *Attempt, name string, fn func(ctx context.Context, foreignKey string) (T, error)) (T, error) {
 	var zero T
 	if v, done, err := startPhase[T](a, name, fn == nil); done {
 		return v, err
 	}
 	// Check and extend the lease before calling out: a holder that lost
-	// its key must not call the provider on the operation's behalf.
+	// its key must not call the provider on the operation's behalf, and
+	// nobody calls it for a key past MaxAge.
+	var tooOld *Response
 	tid, err := a.fenced(ctx, a.r.q, func(tid pgtype.TID) (pgtype.TID, error) {
-		return a.r.q.ExtendLease(ctx, db.ExtendLeaseParams{
+		row, err := a.r.q.ExtendLease(ctx, db.ExtendLeaseParams{
 			Tid: tid, ID: a.id, LeaseToken: a.nullToken(), LeaseSeconds: a.r.cfg.LeaseDuration.Seconds(),
+			MaxAgeSeconds: a.r.cfg.MaxAge.Seconds(), FailureStatus: failure.Status,
+			FailureHeaders: failure.Header, FailureBody: a.r.maxAgeBody,
 		})
+		if err == nil && row.Failed {
+			resp, derr := storedResponse(row.ResponseStatus.Int32, row.ResponseHeaders, row.ResponseBody)
+			if derr != nil {
+				return row.Ctid, derr
+			}
+			tooOld = &resp
+		}
+		return row.Ctid, err
 	})
+	if tooOld != nil {
+		tooOld.Replayed = false
+		a.tooOld = tooOld
+		a.r.noteTooOld(ctx, a.req, a.workflow)
+		return zero, fmt.Errorf("txn: phase %q: %w", name, errTooOld)
+	}
 	if err != nil {
 		return zero, fmt.Errorf("txn: phase %q: extend lease: %w", name, err)
 	}
 	a.tid = tid
+	a.called = true
 	fk := a.ForeignKey(name)
 	v, err := guard(func() (T, error) { return fn(ctx, fk) })
 	if err != nil {
@@ -188,10 +242,18 @@ func Foreign[T any](ctx context.Context, a *Attempt, name string, fn func(ctx co
 }
 
 func (a *Attempt) commitPhase(ctx context.Context, q *db.Queries, name string, raw []byte) (pgtype.TID, error) {
+	// The member `"name":raw`, appended to the stored object as bytes.
+	var member bytes.Buffer
+	member.Grow(len(name) + len(raw) + 3)
+	if err := writeString(&member, name); err != nil {
+		return a.tid, fmt.Errorf("%w: phase name: %w", ErrInvalidUse, err)
+	}
+	member.WriteByte(':')
+	member.Write(raw)
 	tid, err := a.fenced(ctx, q, func(tid pgtype.TID) (pgtype.TID, error) {
 		return q.CommitPhase(ctx, db.CommitPhaseParams{
 			Tid: tid, ID: a.id, LeaseToken: a.nullToken(),
-			Phase: name, Result: raw, LeaseSeconds: a.r.cfg.LeaseDuration.Seconds(),
+			Phase: name, Member: member.Bytes(), LeaseSeconds: a.r.cfg.LeaseDuration.Seconds(),
 		})
 	})
 	if err != nil {
@@ -241,30 +303,58 @@ func recordResult[T any](a *Attempt, name string, raw []byte) (T, error) {
 // Finish runs the workflow's final atomic phase: fn's writes, the terminal
 // response and the key's finished status commit in one SERIALIZABLE
 // transaction, fenced by the lease. Return its result from the WorkflowFunc.
+// fn may run more than once, as an Atomic phase's function may.
+//
+// If nothing took effect under the key yet (see Config.Store) and
+// Config.Store does not store fn's response, fn's writes are rolled back
+// and the response is returned unstored; the workflow's return leaves no
+// key behind, so a corrected request can retry with the same key.
 func (a *Attempt) Finish(ctx context.Context, fn Func) (Response, error) {
-	if fn == nil {
+	switch {
+	case fn == nil:
 		return Response{}, fmt.Errorf("txn: finish: %w: nil func", ErrInvalidUse)
-	}
-	if a.finished != nil {
+	case a.closed:
 		return Response{}, fmt.Errorf("txn: finish: %w: called twice", ErrInvalidUse)
+	case a.tooOld != nil:
+		return Response{}, fmt.Errorf("txn: finish: %w", errTooOld)
 	}
+	a.closed = true
 	var resp Response
+	stored := true
 	err := a.r.inTx(ctx, func(tx pgx.Tx) error {
+		utx := newUserTx(tx)
 		var err error
-		resp, err = guard(func() (Response, error) { return fn(phasectx.WithKeyID(ctx, a.id), tx) })
+		resp, err = guard(func() (Response, error) { return fn(phasectx.WithKeyID(ctx, a.id), utx) })
+		if rerr := utx.retry(); rerr != nil {
+			return rerr // whatever fn made of it
+		}
 		if err != nil {
 			return err
 		}
-		return a.store(ctx, a.r.q.WithTx(tx), resp, pointFinished)
+		if err := resp.validate(); err != nil {
+			return err
+		}
+		if err := utx.usable(); err != nil {
+			return err
+		}
+		if stored = a.r.cfg.Store(resp.Status) || !a.unstarted(); !stored {
+			return errNotStored // rolls fn's writes back
+		}
+		return utx.explain(a.store(ctx, a.r.q.WithTx(tx), resp, pointFinished))
 	})
-	if err != nil {
+	if err != nil && !(errors.Is(err, errNotStored) && !stored) {
 		return Response{}, fmt.Errorf("txn: finish: %w", err)
 	}
 	resp.Replayed = false
-	a.finished = &resp
-	a.point = pointFinished
+	if stored {
+		a.finished = &resp
+		a.point = pointFinished
+	}
 	return resp, nil
 }
+
+// errNotStored rolls back a final phase whose response is not stored.
+var errNotStored = errors.New("response not stored")
 
 // store writes the terminal response and releases the lease, fenced.
 func (a *Attempt) store(ctx context.Context, q *db.Queries, resp Response, point string) error {
@@ -278,7 +368,7 @@ func (a *Attempt) store(ctx context.Context, q *db.Queries, resp Response, point
 	_, err = a.fenced(ctx, q, func(tid pgtype.TID) (pgtype.TID, error) {
 		return q.FinishKey(ctx, db.FinishKeyParams{
 			Tid: tid, ID: a.id, LeaseToken: a.nullToken(), RecoveryPoint: point,
-			ResponseStatus: int4(resp.Status), ResponseHeaders: header, ResponseBody: resp.Body,
+			ResponseStatus: int4(resp.Status), ResponseHeaders: string(header), ResponseBody: resp.Body,
 		})
 	})
 	if err != nil && !errors.Is(err, ErrLeaseLost) {

@@ -2,7 +2,6 @@ package txn_test
 
 import (
 	"context"
-	"encoding/json"
 	"net/http"
 	"strings"
 	"sync/atomic"
@@ -79,12 +78,12 @@ func TestBadInputGetsClearErrorAndWritesNothing(t *testing.T) {
 func TestConfigAndRegistryValidation(t *testing.T) {
 	t.Parallel()
 	_, err := txn.New(nil, nil)
-	require.ErrorIs(t, err, txn.ErrInvalidUse)
+	require.ErrorIs(t, err, txn.ErrInvalidConfig)
 	e := newEnv(t, nil)
 	_, err = txn.New(e.Pool, &txn.Config{LeaseDuration: -1})
-	require.ErrorIs(t, err, txn.ErrInvalidUse)
+	require.ErrorIs(t, err, txn.ErrInvalidConfig)
 	_, err = txn.New(e.Pool, &txn.Config{LeaseDuration: time.Millisecond})
-	require.ErrorIs(t, err, txn.ErrInvalidUse)
+	require.ErrorIs(t, err, txn.ErrInvalidConfig)
 
 	reg := txn.NewRegistry()
 	noop := func(context.Context, *txn.Attempt) (txn.Response, error) { return txn.Response{Status: 200}, nil }
@@ -168,12 +167,10 @@ func TestFingerprintMatchesEquivalentJSONOnly(t *testing.T) {
 	}
 	require.Equal(t, int64(1), calls.Load())
 
-	// The stored params are the canonical form.
+	// The stored params are the canonical form, byte for byte.
 	var stored []byte
-	require.NoError(t, e.Pool.QueryRow(ctx, `SELECT request_params FROM idempotency_keys`).Scan(&stored))
-	var v map[string]any
-	require.NoError(t, json.Unmarshal(stored, &v))
-	require.Equal(t, "é/", v["a"])
+	require.NoError(t, e.Pool.QueryRow(ctx, `SELECT request_params_raw FROM idempotency_keys`).Scan(&stored))
+	require.Equal(t, `{"a":"é/","b":[1,{"x":"é","y":2}]}`, string(stored))
 }
 
 // A function that rewrites its own key row breaks the single-phase run's

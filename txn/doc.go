@@ -16,6 +16,17 @@
 // A running attempt holds the key's lease, a token with an expiry judged by
 // the database clock; every phase commit checks the token (fencing), so an
 // attempt that lost its lease to a retry or to recovery commits nothing and
-// gets [ErrLeaseLost]. Errors are sentinels in errors.go, matched with
-// errors.Is; [HTTPStatus] maps them to the status an API should answer.
+// gets [ErrLeaseLost]. No attempt takes over a key older than
+// [Config.MaxAge], and no foreign call is made for one: a foreign call is
+// never repeated more than MaxAge after the key was created.
+//
+// Functions that receive a transaction may run more than once (after a
+// serialization failure, even one they swallowed); only one run commits, so
+// calls to other systems belong in a Foreign phase. They cannot commit or
+// roll back the transaction themselves. Params and phase results are stored
+// as the exact bytes the library produced, so every resume sees them byte
+// for byte.
+//
+// Errors are sentinels in errors.go, matched with errors.Is; [HTTPStatus]
+// maps them to the status an API should answer.
 package txn

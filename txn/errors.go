@@ -7,53 +7,62 @@ import (
 	"time"
 )
 
-// Sentinel errors returned by the Runner, matched with errors.Is.
+// Sentinel errors returned by the Runner, matched with errors.Is. Their text
+// carries no package prefix: the functions that return them add "txn: op:"
+// once.
 var (
 	// ErrInvalidKey: the idempotency key or scope is malformed (empty, longer
 	// than 255 bytes, or not printable ASCII). Nothing was written. HTTP 400.
-	ErrInvalidKey = errors.New("txn: invalid idempotency key")
+	// A *RequestError tells which.
+	ErrInvalidKey = errors.New("invalid idempotency key")
 
 	// ErrInvalidRequest: the request's method, path or params are malformed
-	// (params not valid JSON, duplicate object keys, a \u0000 that PostgreSQL
-	// cannot store). Nothing was written. HTTP 400.
-	ErrInvalidRequest = errors.New("txn: invalid request")
+	// (params not valid JSON, duplicate object keys, invalid UTF-8, or what
+	// PostgreSQL's jsonb cannot hold: a \u0000, a number outside numeric's
+	// range). Nothing was written. HTTP 400. A *RequestError tells which.
+	ErrInvalidRequest = errors.New("invalid request")
 
 	// ErrRequestTooLarge: the params exceed Config.MaxParamsBytes. Nothing was
 	// written. HTTP 413.
-	ErrRequestTooLarge = errors.New("txn: request params too large")
+	ErrRequestTooLarge = errors.New("request params too large")
 
 	// ErrKeyInUse: another attempt holds the key's live lease. Nothing ran.
 	// HTTP 409, with Retry-After from KeyStateError.RetryAfter.
-	ErrKeyInUse = errors.New("txn: idempotency key is in use by another attempt")
+	ErrKeyInUse = errors.New("idempotency key is in use by another attempt")
 
 	// ErrKeyReused: the key exists for a different request (fingerprint) or a
 	// different workflow. Nothing ran; the stored row is unchanged. HTTP 422.
-	ErrKeyReused = errors.New("txn: idempotency key reused for a different request")
+	ErrKeyReused = errors.New("idempotency key reused for a different request")
 
 	// ErrLeaseLost: this attempt's lease expired and another attempt took the
 	// key over; the phase in progress committed nothing. HTTP 409.
-	ErrLeaseLost = errors.New("txn: lease lost to another attempt")
+	ErrLeaseLost = errors.New("lease lost to another attempt")
 
 	// ErrConflict: a phase kept failing with serialization failures or
 	// deadlocks after Config.MaxRetries retries. The key stays at its last
 	// recovery point and a later retry resumes it. HTTP 409.
-	ErrConflict = errors.New("txn: transaction conflict persisted after retries")
+	ErrConflict = errors.New("transaction conflict persisted after retries")
 
 	// ErrUnknownWorkflow: the workflow is not in the Runner's registry. HTTP 500.
-	ErrUnknownWorkflow = errors.New("txn: workflow not registered")
+	ErrUnknownWorkflow = errors.New("workflow not registered")
 
 	// ErrKeyNotFound: Resume found no key with that scope and value. HTTP 404.
-	ErrKeyNotFound = errors.New("txn: idempotency key not found")
+	ErrKeyNotFound = errors.New("idempotency key not found")
 
 	// ErrInvalidUse: the library was called wrongly (nil function, empty or
 	// repeated phase name, a response whose status is not 100-599, a phase
-	// after Finish, an unmarshalable phase result). HTTP 500.
-	ErrInvalidUse = errors.New("txn: invalid use")
+	// after Finish, an unmarshalable phase result, a function that committed
+	// or rolled back the transaction it was given). HTTP 500.
+	ErrInvalidUse = errors.New("invalid use")
+
+	// ErrInvalidConfig: New was given a nil pool or a Config value outside
+	// its documented range.
+	ErrInvalidConfig = errors.New("invalid config")
 
 	// ErrPanicked: user code panicked. The phase rolled back and the key was
 	// released, as for any transient error; the *PanicError carries the value.
 	// HTTP 500.
-	ErrPanicked = errors.New("txn: operation panicked")
+	ErrPanicked = errors.New("operation panicked")
 )
 
 // KeyStateError is returned for ErrKeyInUse and ErrKeyReused and tells the
@@ -76,6 +85,23 @@ func (e *KeyStateError) Error() string {
 
 func (e *KeyStateError) Unwrap() error { return e.Err }
 
+// RequestError reports a Key that cannot be run, before any SQL: which part
+// of it is wrong and why, in words a client can act on. It unwraps to
+// ErrInvalidKey, ErrInvalidRequest or ErrRequestTooLarge.
+type RequestError struct {
+	// Err is ErrInvalidKey, ErrInvalidRequest or ErrRequestTooLarge.
+	Err error
+	// Field is the part of the Key at fault: "key", "scope", "method",
+	// "path" or "params".
+	Field string
+	// Reason says what is wrong with it, e.g. `duplicate object key "id"`.
+	Reason string
+}
+
+func (e *RequestError) Error() string { return fmt.Sprintf("%v: %s: %s", e.Err, e.Field, e.Reason) }
+
+func (e *RequestError) Unwrap() error { return e.Err }
+
 // PanicError carries a panic recovered from user code. It unwraps to ErrPanicked.
 type PanicError struct {
 	// Value is what was passed to panic.
@@ -84,7 +110,7 @@ type PanicError struct {
 	Stack []byte
 }
 
-func (e *PanicError) Error() string { return fmt.Sprintf("txn: operation panicked: %v", e.Value) }
+func (e *PanicError) Error() string { return fmt.Sprintf("operation panicked: %v", e.Value) }
 
 func (e *PanicError) Unwrap() error { return ErrPanicked }
 

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net/http"
 	"os"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -101,3 +102,18 @@ func ExampleNewWorkflow() {
 }
 
 func chargeCard(context.Context, string, int64) (string, error) { return "ch_1", nil }
+
+// MaxAge bounds how late a foreign call may be repeated, so it must stay
+// under the payment providers' 24-hour idempotency window: New rejects
+// longer values.
+func ExampleNew_maxAgeLimit() {
+	pool, err := pgxpool.New(context.Background(), "postgres://localhost/none") // connects lazily
+	if err != nil {
+		return
+	}
+	defer pool.Close()
+	_, err = txn.New(pool, &txn.Config{MaxAge: 36 * time.Hour})
+	fmt.Println(err)
+	// Output:
+	// txn: new: invalid config: MaxAge 36h0m0s must be shorter than 24h0m0s, the payment providers' idempotency window
+}

@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"sort"
 	"strings"
 	"unicode/utf8"
@@ -39,18 +40,36 @@ type Key struct {
 }
 
 // ValidateKey checks an idempotency key value: 1 to 255 bytes of printable
-// ASCII. It returns an error wrapping ErrInvalidKey.
+// ASCII. It returns a *RequestError wrapping ErrInvalidKey.
 func ValidateKey(value string) error {
 	if value == "" {
-		return fmt.Errorf("%w: empty", ErrInvalidKey)
+		return &RequestError{Err: ErrInvalidKey, Field: "key", Reason: "empty"}
 	}
 	if len(value) > MaxKeyLength {
-		return fmt.Errorf("%w: %d bytes, at most %d allowed", ErrInvalidKey, len(value), MaxKeyLength)
+		return &RequestError{Err: ErrInvalidKey, Field: "key",
+			Reason: fmt.Sprintf("%d bytes, at most %d allowed", len(value), MaxKeyLength)}
 	}
 	for i := 0; i < len(value); i++ {
 		if c := value[i]; c < 0x20 || c > 0x7e {
-			return fmt.Errorf("%w: byte %d is 0x%02x, only printable ASCII is allowed", ErrInvalidKey, i, c)
+			return &RequestError{Err: ErrInvalidKey, Field: "key",
+				Reason: fmt.Sprintf("byte %d is 0x%02x, only printable ASCII is allowed", i, c)}
 		}
+	}
+	return nil
+}
+
+// ValidateScope checks a key's scope: at most 255 bytes of valid UTF-8
+// without NUL (it may be empty). It returns a *RequestError wrapping
+// ErrInvalidKey.
+func ValidateScope(scope string) error {
+	switch {
+	case len(scope) > MaxKeyLength:
+		return &RequestError{Err: ErrInvalidKey, Field: "scope",
+			Reason: fmt.Sprintf("%d bytes, at most %d allowed", len(scope), MaxKeyLength)}
+	case !utf8.ValidString(scope):
+		return &RequestError{Err: ErrInvalidKey, Field: "scope", Reason: "not valid UTF-8"}
+	case strings.IndexByte(scope, 0) >= 0:
+		return &RequestError{Err: ErrInvalidKey, Field: "scope", Reason: "contains NUL"}
 	}
 	return nil
 }
@@ -66,16 +85,18 @@ func prepare(k Key, maxParams int) (request, error) {
 	if err := ValidateKey(k.Value); err != nil {
 		return request{}, err
 	}
-	if len(k.Scope) > MaxKeyLength || !utf8.ValidString(k.Scope) || strings.IndexByte(k.Scope, 0) >= 0 {
-		return request{}, fmt.Errorf("%w: scope must be at most %d bytes of UTF-8 without NUL", ErrInvalidKey, MaxKeyLength)
+	if err := ValidateScope(k.Scope); err != nil {
+		return request{}, err
 	}
-	for name, v := range map[string]string{"method": k.Method, "path": k.Path} {
-		if len(v) > 2048 || !utf8.ValidString(v) || strings.IndexByte(v, 0) >= 0 {
-			return request{}, fmt.Errorf("%w: %s must be at most 2048 bytes of UTF-8 without NUL", ErrInvalidRequest, name)
+	for _, f := range []struct{ name, v string }{{"method", k.Method}, {"path", k.Path}} {
+		if len(f.v) > 2048 || !utf8.ValidString(f.v) || strings.IndexByte(f.v, 0) >= 0 {
+			return request{}, &RequestError{Err: ErrInvalidRequest, Field: f.name,
+				Reason: "must be at most 2048 bytes of UTF-8 without NUL"}
 		}
 	}
 	if len(k.Params) > maxParams {
-		return request{}, fmt.Errorf("%w: %d bytes, at most %d allowed", ErrRequestTooLarge, len(k.Params), maxParams)
+		return request{}, &RequestError{Err: ErrRequestTooLarge, Field: "params",
+			Reason: fmt.Sprintf("%d bytes, at most %d allowed", len(k.Params), maxParams)}
 	}
 	params := k.Params
 	if len(bytes.TrimSpace(params)) == 0 {
@@ -83,7 +104,7 @@ func prepare(k Key, maxParams int) (request, error) {
 	}
 	canon, err := canonicalJSON(params)
 	if err != nil {
-		return request{}, fmt.Errorf("%w: params: %w", ErrInvalidRequest, err)
+		return request{}, &RequestError{Err: ErrInvalidRequest, Field: "params", Reason: err.Error()}
 	}
 	return request{key: k, params: canon, fingerprint: fingerprint(k.Method, k.Path, canon)}, nil
 }
@@ -104,13 +125,14 @@ func fingerprint(method, path string, canonParams []byte) []byte {
 
 const maxJSONDepth = 128
 
-var errNUL = errors.New(`contains \u0000, which PostgreSQL jsonb cannot store`)
+var errNUL = errors.New(`contains \u0000, which PostgreSQL's jsonb cannot hold`)
 
 // canonicalJSON returns in with object keys sorted (by bytes), insignificant
 // whitespace removed and strings re-escaped uniformly. Numbers keep their
 // literal text: 1.0 and 1 differ, because rounding money through float64
-// would be worse. Duplicate object keys, invalid UTF-8, trailing data and
-// \u0000 are rejected.
+// would be worse. Duplicate object keys, invalid UTF-8 and trailing data are
+// rejected, and so is what PostgreSQL's jsonb cannot hold (\u0000, numbers
+// outside numeric's range), so that stored params are always valid jsonb.
 func canonicalJSON(in []byte) ([]byte, error) {
 	if !utf8.Valid(in) {
 		return nil, errors.New("not valid UTF-8")
@@ -162,6 +184,9 @@ func canonValue(dec *json.Decoder, out *bytes.Buffer, depth int) error {
 	case string:
 		return writeString(out, t)
 	case json.Number:
+		if err := checkNumeric(string(t)); err != nil {
+			return err
+		}
 		out.WriteString(string(t))
 	case bool:
 		if t {
@@ -192,7 +217,7 @@ func canonObject(dec *json.Decoder, out *bytes.Buffer, depth int) error {
 			return errors.New("not valid JSON: object key is not a string")
 		}
 		if _, dup := seen[k]; dup {
-			return fmt.Errorf("duplicate object key %q", k)
+			return fmt.Errorf("duplicate object key %q", truncate(k, 64))
 		}
 		seen[k] = struct{}{}
 		var v bytes.Buffer
@@ -231,4 +256,76 @@ func writeString(out *bytes.Buffer, s string) error {
 	}
 	out.Truncate(out.Len() - 1) // Encode appends a newline
 	return nil
+}
+
+// Limits of PostgreSQL's numeric type, in which jsonb stores numbers: a
+// value is base-10000 digits with an int16 weight (the power of 10000 of
+// its first digit) and at most 16383 decimal digits after the point.
+const (
+	numericWeightMax = 32767
+	numericWeightMin = -32768
+	numericDscaleMax = 0x3FFF
+	// numeric_in refuses exponents this large before looking at the value.
+	numericExponentMax = math.MaxInt32/2 - 1
+)
+
+// checkNumeric reports whether PostgreSQL's numeric (and so jsonb) can hold
+// the JSON number literal lit, following numeric_in: the display scale is
+// the digits after the point minus the exponent (at least 0), and the
+// weight is that of the first non-zero base-10000 digit. lit is known to be
+// a valid JSON number.
+func checkNumeric(lit string) error {
+	mant, exp := lit, int64(0)
+	if i := strings.IndexAny(lit, "eE"); i >= 0 {
+		mant = lit[:i]
+		e := lit[i+1:]
+		neg := false
+		if e != "" && (e[0] == '+' || e[0] == '-') {
+			neg = e[0] == '-'
+			e = e[1:]
+		}
+		for j := 0; j < len(e); j++ {
+			exp = exp*10 + int64(e[j]-'0')
+			if exp > numericExponentMax {
+				return fmt.Errorf("number %s is out of PostgreSQL's numeric range", truncate(lit, 40))
+			}
+		}
+		if neg {
+			exp = -exp
+		}
+	}
+	mant = strings.TrimPrefix(mant, "-")
+	intPart, frac, _ := strings.Cut(mant, ".")
+	dscale := max(int64(len(frac))-exp, 0)
+	if dscale > numericDscaleMax {
+		return fmt.Errorf("number %s has more than %d digits after the decimal point, PostgreSQL's numeric limit",
+			truncate(lit, 40), numericDscaleMax)
+	}
+	digits := intPart + frac
+	first := strings.IndexFunc(digits, func(r rune) bool { return r != '0' })
+	if first < 0 {
+		return nil // zero: any weight
+	}
+	// The decimal exponent of the first non-zero digit, and the power of
+	// 10000 holding it (floor division).
+	e10 := int64(len(intPart)-1-first) + exp
+	weight := e10 / 4
+	if e10 < 0 && e10%4 != 0 {
+		weight--
+	}
+	if weight > numericWeightMax || weight < numericWeightMin {
+		return fmt.Errorf("number %s is out of PostgreSQL's numeric range", truncate(lit, 40))
+	}
+	return nil
+}
+
+// truncate shortens s for an error message.
+func truncate(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	for n > 0 && !utf8.RuneStart(s[n]) {
+		n--
+	}
+	return s[:n] + "..."
 }

@@ -10,7 +10,9 @@ import (
 // phase's writes and replayed byte for byte to every retry.
 type Response struct {
 	// Status is an HTTP status code, 100 to 599. 4xx and 5xx responses that
-	// the operation returns are terminal too: they are stored and replayed.
+	// the operation returns are terminal too: they are stored and replayed,
+	// except the client-correctable rejections Config.Store does not store
+	// when they come before anything took effect.
 	Status int
 	// Header holds the headers to store and replay (e.g. Content-Type, Location).
 	Header http.Header
@@ -60,7 +62,7 @@ func storedResponse(status int32, header, body []byte) (Response, error) {
 	}
 	if len(header) > 0 && string(header) != "{}" {
 		if err := json.Unmarshal(header, &resp.Header); err != nil {
-			return Response{}, fmt.Errorf("txn: decode stored header: %w", err)
+			return Response{}, fmt.Errorf("decode stored header: %w", err)
 		}
 	}
 	return resp, nil

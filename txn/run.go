@@ -17,16 +17,27 @@ import (
 // returns the terminal response, or an error to roll everything back.
 type Func func(ctx context.Context, tx pgx.Tx) (Response, error)
 
-// Run runs fn exactly once for key. The key row, fn's writes and the stored
-// response commit together in one SERIALIZABLE transaction, so a single-phase
-// Run costs one commit, like the bare business transaction.
+// Run runs fn for key. The key row, fn's writes and the stored response
+// commit together in one SERIALIZABLE transaction, so a single-phase Run
+// costs one commit, like the bare business transaction.
+//
+// fn may run more than once: when the transaction fails with a
+// serialization failure or a deadlock, it is rolled back and fn runs again,
+// up to Config.MaxRetries times (then ErrConflict). Only one run's writes
+// ever commit. So fn must do nothing outside tx: a call to another system
+// (a payment provider, an e-mail service) belongs in a workflow's Foreign
+// phase, which runs outside any transaction under a stable foreign key. A
+// serialization failure that fn's statements met is retried even if fn
+// swallowed it and returned a response. tx cannot be committed or rolled
+// back by fn (ErrInvalidUse); return an error to roll back.
 //
 // A retry of a finished key returns the stored response (Replayed set) with
 // one read and runs nothing. A key held by a concurrent attempt gives
 // ErrKeyInUse (unless Config.WaitWhenInUse), a key stored for a different
 // request ErrKeyReused. If fn returns an error, nothing is stored and the
-// error is returned: a retry runs fn again. Serialization failures and
-// deadlocks are retried up to Config.MaxRetries, then ErrConflict.
+// error is returned: a retry runs fn again. A response that Config.Store
+// does not store (by default a client-correctable 4xx such as 400 or 422)
+// is returned with fn's writes rolled back and no key left behind.
 func (r *Runner) Run(ctx context.Context, key Key, fn Func) (Response, error) {
 	if fn == nil {
 		return Response{}, fmt.Errorf("txn: run: %w: nil func", ErrInvalidUse)
@@ -35,13 +46,22 @@ func (r *Runner) Run(ctx context.Context, key Key, fn Func) (Response, error) {
 	if err != nil {
 		return Response{}, fmt.Errorf("txn: run: %w", err)
 	}
+	resp, err := r.run(ctx, req, fn)
+	if err != nil {
+		r.logFailure(ctx, req, "", err, nil)
+		return Response{}, fmt.Errorf("txn: run: %w", err)
+	}
+	return resp, nil
+}
+
+func (r *Runner) run(ctx context.Context, req request, fn Func) (Response, error) {
 	tries := 0
 	raced := false // the last insert lost to a concurrent attempt
 	for {
 		if err := ctx.Err(); err != nil {
-			return Response{}, fmt.Errorf("txn: run: %w", err)
+			return Response{}, err
 		}
-		row, err := r.q.LookupKey(ctx, db.LookupKeyParams{Scope: key.Scope, Key: key.Value})
+		row, err := r.q.LookupKey(ctx, db.LookupKeyParams{Scope: req.key.Scope, Key: req.key.Value})
 		switch {
 		case err == nil:
 			resp, err := r.existing(ctx, req, "", row)
@@ -50,7 +70,7 @@ func (r *Runner) Run(ctx context.Context, key Key, fn Func) (Response, error) {
 			}
 			return resp, err
 		case !errors.Is(err, pgx.ErrNoRows):
-			return Response{}, fmt.Errorf("txn: run: look up key: %w", err)
+			return Response{}, fmt.Errorf("look up key: %w", err)
 		}
 		if raced {
 			// Lost the insert, yet no committed row: the other attempt's
@@ -62,8 +82,11 @@ func (r *Runner) Run(ctx context.Context, key Key, fn Func) (Response, error) {
 			continue
 		}
 
-		resp, err := r.runSingle(ctx, req, fn)
+		resp, stored, err := r.runSingle(ctx, req, fn)
 		switch {
+		case err == nil && !stored:
+			r.logNotStored(ctx, req, "", resp.Status)
+			return resp, nil
 		case err == nil:
 			r.executed.Add(1)
 			return resp, nil
@@ -75,40 +98,42 @@ func (r *Runner) Run(ctx context.Context, key Key, fn Func) (Response, error) {
 		case pgerr.IsRetryable(err):
 			if tries >= r.cfg.MaxRetries {
 				r.conflicts.Add(1)
-				r.log.WarnContext(ctx, "serialization conflict persisted", "scope", key.Scope, "key", key.Value, "retries", tries, "error", err)
-				return Response{}, fmt.Errorf("txn: run: %w: %w", ErrConflict, err)
+				return Response{}, fmt.Errorf("%w (%d retries): %w", ErrConflict, tries, err)
 			}
 			r.retries.Add(1)
 			if err := r.backoff(ctx, tries); err != nil {
-				return Response{}, fmt.Errorf("txn: run: %w", err)
+				return Response{}, err
 			}
 			tries++
 			continue
 		default:
-			r.logTransient(ctx, req, "", err)
-			return Response{}, fmt.Errorf("txn: run: %w", err)
+			return Response{}, err
 		}
 	}
 }
 
 // errRaced reports that the key appeared (or is being inserted) between our
 // lookup and our insert; the caller looks again.
-var errRaced = errors.New("txn: key inserted concurrently")
+var errRaced = errors.New("key inserted concurrently")
 
-func (r *Runner) runSingle(ctx context.Context, req request, fn Func) (resp Response, err error) {
+// runSingle runs fn once in a new transaction with the key's row. stored is
+// false when Config.Store rejected fn's response: the transaction was rolled
+// back and the response is returned as it is.
+func (r *Runner) runSingle(ctx context.Context, req request, fn Func) (resp Response, stored bool, err error) {
 	// The connection is acquired explicitly so that the last statement and
 	// COMMIT can go out in one round trip (see commitWith).
 	conn, err := r.pool.Acquire(ctx)
 	if err != nil {
-		return Response{}, fmt.Errorf("acquire: %w", err)
+		return Response{}, false, fmt.Errorf("acquire: %w", err)
 	}
 	defer conn.Release()
 	tx, err := conn.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.Serializable})
 	if err != nil {
-		return Response{}, fmt.Errorf("begin: %w", err)
+		return Response{}, false, fmt.Errorf("begin: %w", err)
 	}
+	committed := false
 	defer func() {
-		if err != nil {
+		if !committed {
 			r.rollback(ctx, tx)
 		}
 	}()
@@ -118,34 +143,46 @@ func (r *Runner) runSingle(ctx context.Context, req request, fn Func) (resp Resp
 		RequestMethod: req.key.Method, RequestPath: req.key.Path, RequestParams: req.params,
 	})
 	if errors.Is(err, pgx.ErrNoRows) {
-		return Response{}, errRaced // held by an uncommitted attempt, or committed since our lookup
+		return Response{}, false, errRaced // held by an uncommitted attempt, or committed since our lookup
 	}
 	if err != nil {
-		return Response{}, fmt.Errorf("insert key: %w", err)
+		return Response{}, false, fmt.Errorf("insert key: %w", err)
 	}
-	resp, err = guard(func() (Response, error) { return fn(phasectx.WithKeyID(ctx, ins.ID), tx) })
+	utx := newUserTx(tx)
+	resp, err = guard(func() (Response, error) { return fn(phasectx.WithKeyID(ctx, ins.ID), utx) })
+	if rerr := utx.retry(); rerr != nil {
+		return Response{}, false, rerr // whatever fn made of it
+	}
 	if err != nil {
-		return Response{}, err
+		return Response{}, false, err
 	}
 	if err := resp.validate(); err != nil {
-		return Response{}, err
+		return Response{}, false, err
+	}
+	if err := utx.usable(); err != nil {
+		return Response{}, false, err
+	}
+	if !r.cfg.Store(resp.Status) {
+		resp.Replayed = false
+		return resp, false, nil // rolled back by the deferred rollback
 	}
 	header, err := resp.encodedHeader()
 	if err != nil {
-		return Response{}, err
+		return Response{}, false, err
 	}
 	// By ctid: a TID scan takes no predicate lock on shared index pages.
 	err = commitWith(ctx, tx, func(q *db.Queries) error {
 		return q.FinishSingleKey(ctx, db.FinishSingleKeyParams{
 			Tid: ins.Ctid, ID: ins.ID,
-			ResponseStatus: int4(resp.Status), ResponseHeaders: header, ResponseBody: resp.Body,
+			ResponseStatus: int4(resp.Status), ResponseHeaders: string(header), ResponseBody: resp.Body,
 		})
 	})
+	committed = err == nil // on success tx is committed and must not be used again
 	if err != nil {
-		return Response{}, err
+		return Response{}, false, utx.explain(err)
 	}
 	resp.Replayed = false
-	return resp, nil
+	return resp, true, nil
 }
 
 // commitWith sends the statement queue issues, then COMMIT, in one round
@@ -193,7 +230,7 @@ func (q batchQueue) Exec(_ context.Context, sql string, args ...any) (pgconn.Com
 
 func (q batchQueue) Query(_ context.Context, sql string, args ...any) (pgx.Rows, error) {
 	q.b.Queue(sql, args...)
-	return nil, errors.New("txn: a queued query has no rows yet")
+	return nil, errors.New("a queued query has no rows yet")
 }
 
 func (q batchQueue) QueryRow(_ context.Context, sql string, args ...any) pgx.Row {

@@ -16,6 +16,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/atomicphase/atomicphase/internal/db"
+	"github.com/atomicphase/atomicphase/internal/failure"
 	"github.com/atomicphase/atomicphase/internal/pgerr"
 )
 
@@ -44,7 +45,8 @@ type Config struct {
 	MaxRetries int
 
 	// RetryBaseDelay is the first retry's backoff; each retry doubles it, up
-	// to RetryMaxDelay, with full jitter. Default: 2 milliseconds.
+	// to RetryMaxDelay, with equal jitter: the wait is drawn uniformly
+	// between half the backoff and all of it. Default: 2 milliseconds.
 	RetryBaseDelay time.Duration
 
 	// RetryMaxDelay caps the retry backoff. Default: 250 milliseconds.
@@ -63,10 +65,55 @@ type Config struct {
 	// Default: 50 milliseconds.
 	WaitPollInterval time.Duration
 
-	// ReleaseTimeout bounds releasing a key after a transient error. The
-	// release runs on a context detached from the caller's, so a cancelled
-	// request still releases its key. Default: 5 seconds.
+	// ReleaseTimeout bounds releasing a key after a transient error, or
+	// removing one whose insert may have committed unseen. The release runs
+	// on a context detached from the caller's, so a cancelled request still
+	// releases its key. Default: 5 seconds.
 	ReleaseTimeout time.Duration
+
+	// MaxAge bounds how long after a key was created (by the database
+	// clock) its operation may still be resumed. No attempt takes over a
+	// key older than this, whether a client retry, a WaitWhenInUse takeover
+	// or a Resume (the recovery Resumer's too), and no Foreign phase calls
+	// out for one: the statement that would have taken the key over, or
+	// extended its lease before the call, fails it instead, storing a 500
+	// application/problem+json response with failure reason "max_age" that
+	// every later retry replays. So a foreign call is never repeated more
+	// than MaxAge after the key was created; keep it under MaxAgeLimit, the
+	// window payment providers keep their idempotency keys for.
+	// Default: MaxAgeDefault (12 hours).
+	MaxAge time.Duration
+
+	// Store decides, by status, whether a response returned before anything
+	// took effect is the operation's terminal result (stored, replayed to
+	// every retry) or a rejection the client is expected to correct (the
+	// function's writes rolled back, no key left, the response returned
+	// unstored, so the corrected request can retry with the same key). It
+	// applies to a single-phase Run and to a workflow that answers before
+	// any phase committed and before any foreign call; once something took
+	// effect, every response is stored. httpidem follows it too.
+	// Default: DefaultStore.
+	Store func(status int) bool
+}
+
+// MaxAgeDefault is Config.MaxAge's default.
+const MaxAgeDefault = 12 * time.Hour
+
+// MaxAgeLimit bounds Config.MaxAge: payment providers keep idempotency keys
+// for about 24 hours (Stripe: at least 24), so an operation must never call
+// one again after that.
+const MaxAgeLimit = 24 * time.Hour
+
+// DefaultStore stores every response except the rejections a client is
+// expected to correct and retry with the same key: 400, 401, 403, 404, 405,
+// 409, 413, 415, 422 and 429. Successes, 402 (e.g. card declined) and the
+// 5xx an operation chooses to return are stored and replayed.
+func DefaultStore(status int) bool {
+	switch status {
+	case 400, 401, 403, 404, 405, 409, 413, 415, 422, 429:
+		return false
+	}
+	return true
 }
 
 // Stats counts what a Runner did since it was created. A high Replayed or
@@ -80,6 +127,8 @@ type Stats struct {
 	Retries   uint64 // phase retries after serialization failures or deadlocks
 	LeaseLost uint64 // attempts that lost their lease (ErrLeaseLost)
 	Released  uint64 // keys released after a transient error, resumable
+	NotStored uint64 // rejections returned unstored (Config.Store), no key left
+	TooOld    uint64 // keys failed instead of taken over: older than Config.MaxAge
 }
 
 // Runner runs operations under idempotency keys. It is safe for concurrent use.
@@ -89,24 +138,31 @@ type Runner struct {
 	cfg  Config
 	log  *slog.Logger
 
-	executed, replayed, inUse, reused, conflicts, retries, leaseLost, released atomic.Uint64
+	executed, replayed, inUse, reused, conflicts, retries, leaseLost, released, notStored, tooOld atomic.Uint64
+
+	maxAgeBody []byte // the problem body stored for a key failed past MaxAge
 }
 
-// New returns a Runner using pool. cfg may be nil.
+// New returns a Runner using pool. cfg may be nil. Invalid values give an
+// error wrapping ErrInvalidConfig.
 func New(pool *pgxpool.Pool, cfg *Config) (*Runner, error) {
 	if pool == nil {
-		return nil, fmt.Errorf("txn: new: %w: pool is nil", ErrInvalidUse)
+		return nil, fmt.Errorf("txn: new: %w: pool is nil", ErrInvalidConfig)
 	}
 	if cfg == nil {
 		cfg = &Config{}
 	}
 	c := *cfg
 	if c.LeaseDuration < 0 || c.MaxRetries < 0 || c.RetryBaseDelay < 0 || c.RetryMaxDelay < 0 ||
-		c.MaxParamsBytes < 0 || c.WaitPollInterval < 0 || c.ReleaseTimeout < 0 {
-		return nil, fmt.Errorf("txn: new: %w: negative durations and counts are not allowed", ErrInvalidUse)
+		c.MaxParamsBytes < 0 || c.WaitPollInterval < 0 || c.ReleaseTimeout < 0 || c.MaxAge < 0 {
+		return nil, fmt.Errorf("txn: new: %w: negative durations and counts are not allowed", ErrInvalidConfig)
 	}
 	if c.LeaseDuration != 0 && c.LeaseDuration < 10*time.Millisecond {
-		return nil, fmt.Errorf("txn: new: %w: LeaseDuration %v is shorter than 10ms", ErrInvalidUse, c.LeaseDuration)
+		return nil, fmt.Errorf("txn: new: %w: LeaseDuration %v is shorter than 10ms", ErrInvalidConfig, c.LeaseDuration)
+	}
+	if c.MaxAge >= MaxAgeLimit {
+		return nil, fmt.Errorf("txn: new: %w: MaxAge %v must be shorter than %v, the payment providers' idempotency window",
+			ErrInvalidConfig, c.MaxAge, MaxAgeLimit)
 	}
 	c.Workflows = cmp.Or(c.Workflows, NewRegistry())
 	c.Logger = cmp.Or(c.Logger, slog.Default())
@@ -117,8 +173,19 @@ func New(pool *pgxpool.Pool, cfg *Config) (*Runner, error) {
 	c.MaxParamsBytes = cmp.Or(c.MaxParamsBytes, 1<<20)
 	c.WaitPollInterval = cmp.Or(c.WaitPollInterval, 50*time.Millisecond)
 	c.ReleaseTimeout = cmp.Or(c.ReleaseTimeout, 5*time.Second)
-	return &Runner{pool: pool, q: db.New(pool), cfg: c, log: c.Logger}, nil
+	c.MaxAge = cmp.Or(c.MaxAge, MaxAgeDefault)
+	if c.Store == nil {
+		c.Store = DefaultStore
+	}
+	return &Runner{pool: pool, q: db.New(pool), cfg: c, log: c.Logger, maxAgeBody: failure.MaxAgeBody(c.MaxAge)}, nil
 }
+
+// Config returns the runner's configuration, with every default filled in.
+// The recovery Resumer takes its registry, logger and MaxAge from it.
+func (r *Runner) Config() Config { return r.cfg }
+
+// Pool returns the pool the runner was created with.
+func (r *Runner) Pool() *pgxpool.Pool { return r.pool }
 
 // Stats returns the runner's counters.
 func (r *Runner) Stats() Stats {
@@ -131,6 +198,8 @@ func (r *Runner) Stats() Stats {
 		Retries:   r.retries.Load(),
 		LeaseLost: r.leaseLost.Load(),
 		Released:  r.released.Load(),
+		NotStored: r.notStored.Load(),
+		TooOld:    r.tooOld.Load(),
 	}
 }
 
@@ -142,7 +211,7 @@ const (
 )
 
 // errWait tells a loop to look at the key again after waiting for its holder.
-var errWait = errors.New("txn: waited for holder")
+var errWait = errors.New("waited for holder")
 
 // existing decides what to do with a key that is already stored: replay it,
 // reject the call, or (for workflow keys, via the caller) resume it.
@@ -163,7 +232,7 @@ func (r *Runner) existing(ctx context.Context, req request, workflow string, row
 }
 
 // errResumable tells RunWorkflow the key is running with a free or expired lease.
-var errResumable = errors.New("txn: key resumable")
+var errResumable = errors.New("key resumable")
 
 func (r *Runner) replay(ctx context.Context, req request, status string, code int32, header, body []byte) (Response, error) {
 	resp, err := storedResponse(code, header, body)
@@ -181,7 +250,7 @@ func (r *Runner) replay(ctx context.Context, req request, status string, code in
 func (r *Runner) heldByOther(ctx context.Context, req request, status, point string, remaining float64) error {
 	if r.cfg.WaitWhenInUse {
 		if err := sleep(ctx, r.cfg.WaitPollInterval); err != nil {
-			return fmt.Errorf("txn: wait for key holder: %w", err)
+			return fmt.Errorf("wait for key holder: %w", err)
 		}
 		return errWait
 	}
@@ -190,10 +259,10 @@ func (r *Runner) heldByOther(ctx context.Context, req request, status, point str
 
 func (r *Runner) inUseError(ctx context.Context, req request, status, point string, remaining float64) error {
 	r.inUse.Add(1)
+	retry := max(time.Duration(remaining*float64(time.Second)).Round(time.Second), time.Second)
 	r.log.Log(ctx, r.cfg.HitLogLevel, "idempotency key in use",
-		"scope", req.key.Scope, "key", req.key.Value, "recovery_point", point)
-	retry := time.Duration(remaining * float64(time.Second)).Round(time.Second)
-	return &KeyStateError{Err: ErrKeyInUse, Status: status, RecoveryPoint: point, RetryAfter: max(retry, time.Second)}
+		"scope", req.key.Scope, "key", req.key.Value, "recovery_point", point, "retry_after", retry)
+	return &KeyStateError{Err: ErrKeyInUse, Status: status, RecoveryPoint: point, RetryAfter: retry}
 }
 
 // inFlight handles a key whose insert is uncommitted in another transaction.
@@ -205,12 +274,39 @@ func (r *Runner) inFlight(ctx context.Context, req request) error {
 	return err
 }
 
-func (r *Runner) logTransient(ctx context.Context, req request, workflow string, err error) {
-	if errors.Is(err, context.Canceled) {
+// logFailure logs an operation's failure once, at the level its kind
+// deserves: hits (in use, reuse) were logged where they were found, bad
+// input and a caller's cancellation are the caller's to report, and every
+// other failure is one WARN. releaseErr is the error of releasing the key
+// afterwards, if that failed too.
+func (r *Runner) logFailure(ctx context.Context, req request, workflow string, err, releaseErr error) {
+	switch {
+	case err == nil, errors.Is(err, context.Canceled),
+		errors.Is(err, ErrKeyInUse), errors.Is(err, ErrKeyReused),
+		errors.Is(err, ErrInvalidKey), errors.Is(err, ErrInvalidRequest), errors.Is(err, ErrRequestTooLarge):
 		return
 	}
-	r.log.WarnContext(ctx, "operation failed; nothing committed for its current phase",
-		"scope", req.key.Scope, "key", req.key.Value, "workflow", workflow, "error", err)
+	msg := "operation failed; the key keeps its last recovery point and a retry resumes it"
+	switch {
+	case errors.Is(err, ErrLeaseLost):
+		msg = "lease lost; another attempt holds the key"
+	case errors.Is(err, ErrConflict):
+		msg = "serialization conflict persisted after retries; the key keeps its last recovery point"
+	case workflow == "":
+		msg = "operation failed; nothing was stored and a retry runs it again"
+	}
+	attrs := []any{"scope", req.key.Scope, "key", req.key.Value, "workflow", workflow, "error", err}
+	if releaseErr != nil {
+		attrs = append(attrs, "release_error", releaseErr, "lease", r.cfg.LeaseDuration)
+	}
+	r.log.WarnContext(ctx, msg, attrs...)
+}
+
+// logNotStored notes a rejection returned without storing it.
+func (r *Runner) logNotStored(ctx context.Context, req request, workflow string, status int) {
+	r.notStored.Add(1)
+	r.log.DebugContext(ctx, "response not stored: a rejection the client may correct and retry with the same key",
+		"scope", req.key.Scope, "key", req.key.Value, "workflow", workflow, "response_status", status)
 }
 
 // inTx runs fn in a SERIALIZABLE transaction, retrying the whole transaction

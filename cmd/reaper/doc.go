@@ -10,7 +10,8 @@
 // -database-url ($DATABASE_URL), -ttl ($REAPER_TTL, default 24h, from 24h to
 // 168h), -outbox-retention ($REAPER_OUTBOX_RETENTION, 168h), -resume-delay
 // ($REAPER_RESUME_DELAY, 1m), -max-attempts ($REAPER_MAX_ATTEMPTS, 10),
-// -max-age ($REAPER_MAX_AGE, 12h, under 24h), -unknown-workflow-delay
+// -max-age ($REAPER_MAX_AGE, 12h, under 24h: the txn.Config.MaxAge of the
+// runner the reaper works through; give it the services' value), -unknown-workflow-delay
 // ($REAPER_UNKNOWN_WORKFLOW_DELAY, 1h), -batch-size ($REAPER_BATCH_SIZE,
 // 1000) and -log-level ($REAPER_LOG_LEVEL, info).
 //

@@ -77,11 +77,17 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	}
 	defer pool.Close()
 
-	resumer, err := recovery.New(pool, txn.NewRegistry(), &recovery.Config{
-		Logger:               log,
+	// No workflows: this binary has no user code, so it fails the stalled
+	// keys it cannot resume. MaxAge is the runner's, the same setting a
+	// service's own runner enforces on client retries.
+	runner, err := txn.New(pool, &txn.Config{Logger: log, MaxAge: opts.maxAge})
+	if err != nil {
+		fmt.Fprintf(stderr, "reaper: %v: %v\nRun 'reaper -help' for usage.\n", errUsage, err)
+		return exitUsage
+	}
+	resumer, err := recovery.New(runner, &recovery.Config{
 		ResumeDelay:          opts.resumeDelay,
 		MaxAttempts:          opts.maxAttempts,
-		MaxAge:               opts.maxAge,
 		UnknownWorkflowDelay: opts.unknownWorkflowDelay,
 		BatchSize:            opts.batchSize,
 	})
@@ -218,7 +224,7 @@ func parseArgs(args []string, stdout io.Writer) (options, error) {
 		"a running key with a free or expired lease is stalled this long after its last run")
 	e.intVar(&o.maxAttempts, "max-attempts", "REAPER_MAX_ATTEMPTS", 10,
 		"fail stalled keys that have had this many attempts")
-	e.durationVar(&o.maxAge, "max-age", "REAPER_MAX_AGE", 12*time.Hour,
+	e.durationVar(&o.maxAge, "max-age", "REAPER_MAX_AGE", txn.MaxAgeDefault,
 		"fail stalled keys created longer ago than this (under 24h)")
 	e.durationVar(&o.unknownWorkflowDelay, "unknown-workflow-delay", "REAPER_UNKNOWN_WORKFLOW_DELAY", time.Hour,
 		"fail stalled keys this binary cannot resume (every workflow) once they are this old")

@@ -145,9 +145,7 @@ func serve(ctx context.Context, logger *slog.Logger, o options) error {
 		return err
 	}
 	defer relay.Stop()
-	resumer, err := recovery.New(pool, registry, &recovery.Config{
-		Logger: logger, ResumeDelay: o.resumeDelay, Interval: o.resumeEvery, LeaseDuration: o.lease,
-	})
+	resumer, err := recovery.New(runner, &recovery.Config{ResumeDelay: o.resumeDelay, Interval: o.resumeEvery})
 	if err != nil {
 		return err
 	}

@@ -16,8 +16,11 @@ const commitPhase = `-- name: CommitPhase :one
 
 UPDATE idempotency_keys
 SET recovery_point = $1::text,
-    phase_results = phase_results || jsonb_build_object($1::text, $2::jsonb),
-    leased_until = now() + make_interval(secs => $3::float8),
+    phase_results_raw = CASE WHEN phase_results_raw IS NULL OR length(phase_results_raw) <= 2
+                             THEN '{'::bytea || $2::bytea || '}'::bytea
+                             ELSE overlay(phase_results_raw PLACING ','::bytea || $2::bytea || '}'::bytea
+                                          FROM length(phase_results_raw) FOR 1) END,
+    leased_until = clock_timestamp() + make_interval(secs => $3::float8),
     last_run_at = now()
 WHERE ctid = $4 AND id = $5 AND lease_token = $6 AND status = 'running'
 RETURNING ctid
@@ -25,7 +28,7 @@ RETURNING ctid
 
 type CommitPhaseParams struct {
 	Phase        string
-	Result       []byte
+	Member       []byte
 	LeaseSeconds float64
 	Tid          pgtype.TID
 	ID           int64
@@ -36,11 +39,16 @@ type CommitPhaseParams struct {
 // locks only the tuple, where an index scan would take a predicate lock on
 // a whole btree page shared with unrelated keys) and by id and lease token:
 // no row means the row moved (see LocateHeldKey) or the lease was lost.
-// Records a committed phase in the phase's own transaction.
+// Records a committed phase in the phase's own transaction: member is
+// `"name":result`, the JSON-encoded name and the result's exact bytes,
+// appended to the phase_results_raw object (kept as bytes: jsonb cannot hold
+// every result a foreign call returns). The lease is extended from
+// clock_timestamp(), the time of this statement, so a phase that ran longer
+// than the lease still commits a live one.
 func (q *Queries) CommitPhase(ctx context.Context, arg CommitPhaseParams) (pgtype.TID, error) {
 	row := q.db.QueryRow(ctx, commitPhase,
 		arg.Phase,
-		arg.Result,
+		arg.Member,
 		arg.LeaseSeconds,
 		arg.Tid,
 		arg.ID,
@@ -49,34 +57,99 @@ func (q *Queries) CommitPhase(ctx context.Context, arg CommitPhaseParams) (pgtyp
 	var ctid pgtype.TID
 	err := row.Scan(&ctid)
 	return ctid, err
+}
+
+const deleteUnstartedKey = `-- name: DeleteUnstartedKey :execrows
+DELETE FROM idempotency_keys
+WHERE scope = $1 AND key = $2 AND lease_token = $3::uuid
+  AND status = 'running' AND recovery_point = 'started' AND attempts = 1
+`
+
+type DeleteUnstartedKeyParams struct {
+	Scope      string
+	Key        string
+	LeaseToken uuid.UUID
+}
+
+// Removes a key that the attempt holding its lease inserted and ran nothing
+// under (no phase committed, no foreign call): after a response that is not
+// stored (a rejection the client may correct), or after an insert whose
+// outcome the caller could not see (its COMMIT may have succeeded). The key
+// is then as if never used, so the client's retry runs. Runs in its own
+// transaction.
+func (q *Queries) DeleteUnstartedKey(ctx context.Context, arg DeleteUnstartedKeyParams) (int64, error) {
+	result, err := q.db.Exec(ctx, deleteUnstartedKey, arg.Scope, arg.Key, arg.LeaseToken)
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected(), nil
 }
 
 const extendLease = `-- name: ExtendLease :one
 UPDATE idempotency_keys
-SET leased_until = now() + make_interval(secs => $1::float8),
+SET lease_token      = CASE WHEN created_at > now() - make_interval(secs => $1::float8)
+                            THEN lease_token END,
+    leased_until     = CASE WHEN created_at > now() - make_interval(secs => $1::float8)
+                            THEN clock_timestamp() + make_interval(secs => $2::float8) END,
+    status           = CASE WHEN created_at > now() - make_interval(secs => $1::float8)
+                            THEN 'running' ELSE 'failed' END,
+    failure_reason   = CASE WHEN created_at > now() - make_interval(secs => $1::float8)
+                            THEN NULL ELSE 'max_age' END,
+    response_status  = CASE WHEN created_at > now() - make_interval(secs => $1::float8)
+                            THEN NULL ELSE $3::integer END,
+    response_headers = CASE WHEN created_at > now() - make_interval(secs => $1::float8)
+                            THEN NULL ELSE $4::text::jsonb END,
+    response_body    = CASE WHEN created_at > now() - make_interval(secs => $1::float8)
+                            THEN NULL ELSE $5::bytea END,
+    finished_at      = CASE WHEN created_at > now() - make_interval(secs => $1::float8)
+                            THEN NULL ELSE now() END,
     last_run_at = now()
-WHERE ctid = $2 AND id = $3 AND lease_token = $4 AND status = 'running'
-RETURNING ctid
+WHERE ctid = $6 AND id = $7 AND lease_token = $8 AND status = 'running'
+RETURNING ctid, (status = 'failed')::boolean AS failed, response_status, response_headers, response_body
 `
 
 type ExtendLeaseParams struct {
-	LeaseSeconds float64
-	Tid          pgtype.TID
-	ID           int64
-	LeaseToken   uuid.NullUUID
+	MaxAgeSeconds  float64
+	LeaseSeconds   float64
+	FailureStatus  int32
+	FailureHeaders string
+	FailureBody    []byte
+	Tid            pgtype.TID
+	ID             int64
+	LeaseToken     uuid.NullUUID
 }
 
-// Extends a held lease (before a foreign call).
-func (q *Queries) ExtendLease(ctx context.Context, arg ExtendLeaseParams) (pgtype.TID, error) {
+type ExtendLeaseRow struct {
+	Ctid            pgtype.TID
+	Failed          bool
+	ResponseStatus  pgtype.Int4
+	ResponseHeaders []byte
+	ResponseBody    []byte
+}
+
+// Extends a held lease before a foreign call, from clock_timestamp(); or, if
+// the key was created more than max_age ago, fails it instead, as
+// TakeOverKey does, so that the call is not made. failed tells which.
+func (q *Queries) ExtendLease(ctx context.Context, arg ExtendLeaseParams) (ExtendLeaseRow, error) {
 	row := q.db.QueryRow(ctx, extendLease,
+		arg.MaxAgeSeconds,
 		arg.LeaseSeconds,
+		arg.FailureStatus,
+		arg.FailureHeaders,
+		arg.FailureBody,
 		arg.Tid,
 		arg.ID,
 		arg.LeaseToken,
 	)
-	var ctid pgtype.TID
-	err := row.Scan(&ctid)
-	return ctid, err
+	var i ExtendLeaseRow
+	err := row.Scan(
+		&i.Ctid,
+		&i.Failed,
+		&i.ResponseStatus,
+		&i.ResponseHeaders,
+		&i.ResponseBody,
+	)
+	return i, err
 }
 
 const finishKey = `-- name: FinishKey :one
@@ -84,7 +157,7 @@ UPDATE idempotency_keys
 SET status = 'finished',
     recovery_point = $1,
     response_status = $2,
-    response_headers = $3,
+    response_headers = $3::text::jsonb,
     response_body = $4,
     finished_at = now(),
     last_run_at = now(),
@@ -98,7 +171,7 @@ RETURNING ctid
 type FinishKeyParams struct {
 	RecoveryPoint   string
 	ResponseStatus  pgtype.Int4
-	ResponseHeaders []byte
+	ResponseHeaders string
 	ResponseBody    []byte
 	Tid             pgtype.TID
 	ID              int64
@@ -126,7 +199,7 @@ const finishSingleKey = `-- name: FinishSingleKey :exec
 WITH stored AS (
     UPDATE idempotency_keys
     SET response_status = $1,
-        response_headers = $2,
+        response_headers = $2::text::jsonb,
         response_body = $3
     WHERE ctid = $4 AND id = $5 AND lease_token IS NULL AND status = 'finished'
     RETURNING 1
@@ -136,7 +209,7 @@ SELECT 1 / count(*)::integer FROM stored
 
 type FinishSingleKeyParams struct {
 	ResponseStatus  pgtype.Int4
-	ResponseHeaders []byte
+	ResponseHeaders string
 	ResponseBody    []byte
 	Tid             pgtype.TID
 	ID              int64
@@ -160,14 +233,13 @@ func (q *Queries) FinishSingleKey(ctx context.Context, arg FinishSingleKeyParams
 
 const insertKey = `-- name: InsertKey :one
 INSERT INTO idempotency_keys (
-    scope, key, fingerprint, request_method, request_path, request_params,
+    scope, key, fingerprint, request_method, request_path, request_params_raw,
     workflow, recovery_point, phase_results, status, lease_token, leased_until,
     attempts, created_at, last_run_at
 )
-SELECT $1, $2, $3, $4, $5, $6,
+SELECT $1, $2, $3, $4, $5, $6::bytea,
        $7, 'started', '{}'::jsonb, 'running', $8::uuid,
-       CASE WHEN $8::uuid IS NOT NULL
-            THEN now() + make_interval(secs => $9::float8) END,
+       clock_timestamp() + make_interval(secs => $9::float8),
        1, now(), now()
 WHERE pg_try_advisory_xact_lock(
     hashtextextended(length($1::text)::text || ':' || $1::text || $2::text,
@@ -184,7 +256,7 @@ type InsertKeyParams struct {
 	RequestPath   string
 	RequestParams []byte
 	Workflow      string
-	LeaseToken    uuid.NullUUID
+	LeaseToken    uuid.UUID
 	LeaseSeconds  float64
 }
 
@@ -202,9 +274,8 @@ type InsertKeyRow struct {
 // takes no SERIALIZABLE predicate lock; in a SERIALIZABLE single-phase run,
 // a conflicting row committed after the transaction's snapshot raises a
 // serialization failure, so the run is retried (and replays) before its
-// function ever runs. A workflow key holds a lease from the start; a
-// single-phase key (NULL token) is invisible to others until it commits,
-// finished.
+// function ever runs. A workflow key holds a lease from the start. Params
+// are stored as their canonical bytes (request_params_raw), not as jsonb.
 func (q *Queries) InsertKey(ctx context.Context, arg InsertKeyParams) (InsertKeyRow, error) {
 	row := q.db.QueryRow(ctx, insertKey,
 		arg.Scope,
@@ -224,11 +295,11 @@ func (q *Queries) InsertKey(ctx context.Context, arg InsertKeyParams) (InsertKey
 
 const insertSingleKey = `-- name: InsertSingleKey :one
 INSERT INTO idempotency_keys (
-    scope, key, fingerprint, request_method, request_path, request_params,
+    scope, key, fingerprint, request_method, request_path, request_params_raw,
     workflow, recovery_point, phase_results, status, attempts, created_at,
     last_run_at, finished_at, response_status
 )
-SELECT $1, $2, $3, $4, $5, $6,
+SELECT $1, $2, $3, $4, $5, $6::bytea,
        '', 'finished', '{}'::jsonb, 'finished', 1, now(), now(), now(), 500
 WHERE pg_try_advisory_xact_lock(
     hashtextextended(length($1::text)::text || ':' || $1::text || $2::text,
@@ -289,8 +360,27 @@ func (q *Queries) LocateHeldKey(ctx context.Context, arg LocateHeldKeyParams) (p
 	return ctid, err
 }
 
+const lockKey = `-- name: LockKey :exec
+SELECT pg_advisory_xact_lock(
+    hashtextextended(length($1::text)::text || ':' || $1::text || $2::text,
+                     'idempotency_keys'::regclass::oid::bigint))
+`
+
+type LockKeyParams struct {
+	Scope string
+	Key   string
+}
+
+// Waits for the transaction-scoped advisory lock InsertKey takes on (scope,
+// key), that is, for an insert still in flight to commit or abort, and holds
+// it until the caller's transaction ends.
+func (q *Queries) LockKey(ctx context.Context, arg LockKeyParams) error {
+	_, err := q.db.Exec(ctx, lockKey, arg.Scope, arg.Key)
+	return err
+}
+
 const lookupKey = `-- name: LookupKey :one
-SELECT id, fingerprint, workflow, recovery_point, phase_results, status,
+SELECT id, fingerprint, workflow, recovery_point, status,
        (lease_token IS NOT NULL AND leased_until > now())::boolean AS lease_live,
        coalesce(greatest(extract(epoch FROM leased_until - now()), 0), 0)::float8 AS lease_remaining_seconds,
        attempts, response_status, response_headers, response_body
@@ -308,7 +398,6 @@ type LookupKeyRow struct {
 	Fingerprint           []byte
 	Workflow              string
 	RecoveryPoint         string
-	PhaseResults          []byte
 	Status                string
 	LeaseLive             bool
 	LeaseRemainingSeconds float64
@@ -318,9 +407,9 @@ type LookupKeyRow struct {
 	ResponseBody          []byte
 }
 
-// The request path's read: everything needed to replay, reject or resume,
-// except the stored params (the caller has its own). lease_live is judged by
-// the database clock.
+// The request path's read: everything needed to replay or reject the call,
+// or to decide to take the key over (which returns the phase results).
+// lease_live is judged by the database clock.
 func (q *Queries) LookupKey(ctx context.Context, arg LookupKeyParams) (LookupKeyRow, error) {
 	row := q.db.QueryRow(ctx, lookupKey, arg.Scope, arg.Key)
 	var i LookupKeyRow
@@ -329,7 +418,6 @@ func (q *Queries) LookupKey(ctx context.Context, arg LookupKeyParams) (LookupKey
 		&i.Fingerprint,
 		&i.Workflow,
 		&i.RecoveryPoint,
-		&i.PhaseResults,
 		&i.Status,
 		&i.LeaseLive,
 		&i.LeaseRemainingSeconds,
@@ -342,8 +430,9 @@ func (q *Queries) LookupKey(ctx context.Context, arg LookupKeyParams) (LookupKey
 }
 
 const lookupKeyForResume = `-- name: LookupKeyForResume :one
-SELECT id, fingerprint, request_method, request_path, request_params, workflow,
-       recovery_point, phase_results, status,
+SELECT id, fingerprint, request_method, request_path,
+       coalesce(request_params_raw, convert_to(CAST(request_params AS text), 'UTF8')) AS request_params,
+       workflow, recovery_point, status,
        (lease_token IS NOT NULL AND leased_until > now())::boolean AS lease_live,
        coalesce(greatest(extract(epoch FROM leased_until - now()), 0), 0)::float8 AS lease_remaining_seconds,
        attempts, response_status, response_headers, response_body
@@ -364,7 +453,6 @@ type LookupKeyForResumeRow struct {
 	RequestParams         []byte
 	Workflow              string
 	RecoveryPoint         string
-	PhaseResults          []byte
 	Status                string
 	LeaseLive             bool
 	LeaseRemainingSeconds float64
@@ -374,7 +462,9 @@ type LookupKeyForResumeRow struct {
 	ResponseBody          []byte
 }
 
-// Like LookupKey, with the stored request, for resuming without the client.
+// Like LookupKey, with the stored request, for resuming without the client:
+// the params' exact bytes, or for a row written before they were kept, the
+// jsonb column's text.
 func (q *Queries) LookupKeyForResume(ctx context.Context, arg LookupKeyForResumeParams) (LookupKeyForResumeRow, error) {
 	row := q.db.QueryRow(ctx, lookupKeyForResume, arg.Scope, arg.Key)
 	var i LookupKeyForResumeRow
@@ -386,7 +476,6 @@ func (q *Queries) LookupKeyForResume(ctx context.Context, arg LookupKeyForResume
 		&i.RequestParams,
 		&i.Workflow,
 		&i.RecoveryPoint,
-		&i.PhaseResults,
 		&i.Status,
 		&i.LeaseLive,
 		&i.LeaseRemainingSeconds,
@@ -421,40 +510,83 @@ func (q *Queries) ReleaseKey(ctx context.Context, arg ReleaseKeyParams) (int64, 
 
 const takeOverKey = `-- name: TakeOverKey :one
 UPDATE idempotency_keys
-SET lease_token = $1,
-    leased_until = now() + make_interval(secs => $2::float8),
-    attempts = attempts + 1,
+SET lease_token      = CASE WHEN created_at > now() - make_interval(secs => $1::float8)
+                            THEN $2::uuid END,
+    leased_until     = CASE WHEN created_at > now() - make_interval(secs => $1::float8)
+                            THEN clock_timestamp() + make_interval(secs => $3::float8) END,
+    attempts         = CASE WHEN created_at > now() - make_interval(secs => $1::float8)
+                            THEN attempts + 1 ELSE attempts END,
+    status           = CASE WHEN created_at > now() - make_interval(secs => $1::float8)
+                            THEN 'running' ELSE 'failed' END,
+    failure_reason   = CASE WHEN created_at > now() - make_interval(secs => $1::float8)
+                            THEN NULL ELSE 'max_age' END,
+    response_status  = CASE WHEN created_at > now() - make_interval(secs => $1::float8)
+                            THEN NULL ELSE $4::integer END,
+    response_headers = CASE WHEN created_at > now() - make_interval(secs => $1::float8)
+                            THEN NULL ELSE $5::text::jsonb END,
+    response_body    = CASE WHEN created_at > now() - make_interval(secs => $1::float8)
+                            THEN NULL ELSE $6::bytea END,
+    finished_at      = CASE WHEN created_at > now() - make_interval(secs => $1::float8)
+                            THEN NULL ELSE now() END,
     last_run_at = now()
-WHERE id = $3
+WHERE id = $7
   AND status = 'running'
   AND (lease_token IS NULL OR leased_until <= now())
-RETURNING ctid, recovery_point, phase_results, attempts
+RETURNING ctid, recovery_point, phase_results, phase_results_raw, attempts,
+          (status = 'failed')::boolean AS failed, response_status, response_headers, response_body
 `
 
 type TakeOverKeyParams struct {
-	LeaseToken   uuid.NullUUID
-	LeaseSeconds float64
-	ID           int64
+	MaxAgeSeconds  float64
+	LeaseToken     uuid.UUID
+	LeaseSeconds   float64
+	FailureStatus  int32
+	FailureHeaders string
+	FailureBody    []byte
+	ID             int64
 }
 
 type TakeOverKeyRow struct {
-	Ctid          pgtype.TID
-	RecoveryPoint string
-	PhaseResults  []byte
-	Attempts      int32
+	Ctid            pgtype.TID
+	RecoveryPoint   string
+	PhaseResults    []byte
+	PhaseResultsRaw []byte
+	Attempts        int32
+	Failed          bool
+	ResponseStatus  pgtype.Int4
+	ResponseHeaders []byte
+	ResponseBody    []byte
 }
 
 // Takes the lease of a running key whose lease is free or expired, with a new
-// token. Returns no row if another attempt holds a live lease or the key is
-// terminal.
+// token, unless the key was created more than max_age ago: then, in the same
+// statement, it fails the key instead (status failed, reason max_age, the
+// given terminal response), so that no attempt ever resumes an operation
+// past the age its foreign calls may be repeated at. failed tells which it
+// did. Returns no row if another attempt holds a live lease or the key is
+// terminal. The lease counts from clock_timestamp(), not from the start of
+// the statement's transaction.
 func (q *Queries) TakeOverKey(ctx context.Context, arg TakeOverKeyParams) (TakeOverKeyRow, error) {
-	row := q.db.QueryRow(ctx, takeOverKey, arg.LeaseToken, arg.LeaseSeconds, arg.ID)
+	row := q.db.QueryRow(ctx, takeOverKey,
+		arg.MaxAgeSeconds,
+		arg.LeaseToken,
+		arg.LeaseSeconds,
+		arg.FailureStatus,
+		arg.FailureHeaders,
+		arg.FailureBody,
+		arg.ID,
+	)
 	var i TakeOverKeyRow
 	err := row.Scan(
 		&i.Ctid,
 		&i.RecoveryPoint,
 		&i.PhaseResults,
+		&i.PhaseResultsRaw,
 		&i.Attempts,
+		&i.Failed,
+		&i.ResponseStatus,
+		&i.ResponseHeaders,
+		&i.ResponseBody,
 	)
 	return i, err
 }

@@ -270,7 +270,7 @@ UPDATE idempotency_keys AS k
 SET status = 'failed',
     failure_reason = c.reason,
     response_status = $1::integer,
-    response_headers = $2::jsonb,
+    response_headers = $2::text::jsonb,
     response_body = CASE c.reason
                         WHEN 'unknown_workflow' THEN $3::bytea
                         WHEN 'max_attempts' THEN $4::bytea
@@ -288,7 +288,7 @@ RETURNING k.id, k.scope, k.key, k.workflow, k.recovery_point, k.attempts, c.reas
 
 type FailStalledKeysParams struct {
 	ResponseStatus              int32
-	ResponseHeaders             []byte
+	ResponseHeaders             string
 	UnknownWorkflowBody         []byte
 	MaxAttemptsBody             []byte
 	MaxAgeBody                  []byte

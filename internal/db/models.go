@@ -12,28 +12,30 @@ import (
 )
 
 type IdempotencyKey struct {
-	ID              int64
-	Scope           string
-	Key             string
-	Fingerprint     []byte
-	RequestMethod   string
-	RequestPath     string
-	RequestParams   []byte
-	Workflow        string
-	RecoveryPoint   string
-	PhaseResults    []byte
-	Status          string
-	LeaseToken      uuid.NullUUID
-	LeasedUntil     *time.Time
-	Attempts        int32
-	CreatedAt       time.Time
-	LastRunAt       time.Time
-	FinishedAt      *time.Time
-	ResponseStatus  pgtype.Int4
-	ResponseHeaders []byte
-	ResponseBody    []byte
-	FailureReason   pgtype.Text
-	Ctid            pgtype.TID
+	ID               int64
+	Scope            string
+	Key              string
+	Fingerprint      []byte
+	RequestMethod    string
+	RequestPath      string
+	RequestParams    []byte
+	Workflow         string
+	RecoveryPoint    string
+	PhaseResults     []byte
+	Status           string
+	LeaseToken       uuid.NullUUID
+	LeasedUntil      *time.Time
+	Attempts         int32
+	CreatedAt        time.Time
+	LastRunAt        time.Time
+	FinishedAt       *time.Time
+	ResponseStatus   pgtype.Int4
+	ResponseHeaders  []byte
+	ResponseBody     []byte
+	FailureReason    pgtype.Text
+	RequestParamsRaw []byte
+	PhaseResultsRaw  []byte
+	Ctid             pgtype.TID
 }
 
 type OutboxMessage struct {

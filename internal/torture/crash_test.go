@@ -197,7 +197,7 @@ func TestCrashMatrix(t *testing.T) {
 			require.NoError(t, err)
 			if i%2 == 1 {
 				// The Resumer finishes it once the dead child's lease expires.
-				res, err := recovery.New(d.Pool, reg, &recovery.Config{ResumeDelay: time.Millisecond, Logger: quietLogger(t)})
+				res, err := recovery.New(runner, &recovery.Config{ResumeDelay: time.Millisecond, Logger: quietLogger(t)})
 				require.NoError(t, err)
 				require.Eventually(t, func() bool {
 					_, err := res.RunOnce(ctx)

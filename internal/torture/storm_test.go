@@ -46,7 +46,7 @@ func stormOnce(t *testing.T, seed int64) {
 	stop := make(chan struct{})
 	var resumers sync.WaitGroup
 	for range 2 {
-		res, err := recovery.New(pool, reg, &recovery.Config{ResumeDelay: time.Millisecond, LeaseDuration: 25 * time.Millisecond,
+		res, err := recovery.New(r, &recovery.Config{ResumeDelay: time.Millisecond,
 			Concurrency: 4, MaxAttempts: 1 << 30, Logger: quietLogger(t)})
 		require.NoError(t, err)
 		resumers.Go(func() {

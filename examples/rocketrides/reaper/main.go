@@ -45,7 +45,13 @@ func run(ctx context.Context, logger *slog.Logger) error {
 	if err := registry.Register(rides.NewWorkflow(provider, "")); err != nil {
 		return err
 	}
-	resumer, err := recovery.New(pool, registry, &recovery.Config{Logger: logger})
+	// The service's runner settings (lease, MaxAge), so the reaper resumes
+	// keys exactly as the service would.
+	runner, err := txn.New(pool, &txn.Config{Workflows: registry, Logger: logger})
+	if err != nil {
+		return err
+	}
+	resumer, err := recovery.New(runner, nil)
 	if err != nil {
 		return err
 	}

@@ -1,0 +1,67 @@
+package migrations_test
+
+import (
+	"context"
+	"encoding/json"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"github.com/atomicphase/atomicphase/internal/pgtest"
+	"github.com/atomicphase/atomicphase/migrations"
+	"github.com/atomicphase/atomicphase/txn"
+)
+
+// Migration 00004's down would lose the exact params and phase results, so
+// it refuses while they hold data, unless the session opts in; with the
+// opt-in it keeps what jsonb can hold.
+func TestLosslessColumnsDownRefusesToLoseDataWithoutOptIn(t *testing.T) {
+	t.Parallel()
+	d := pgtest.New(t)
+	ctx := context.Background()
+	reg := txn.NewRegistry()
+	fail := true
+	wf := txn.NewWorkflow("w", func(ctx context.Context, a *txn.Attempt) (txn.Response, error) {
+		for _, phase := range []string{"plain", "nul"} {
+			if _, err := txn.Foreign(ctx, a, phase, func(context.Context, string) (json.RawMessage, error) {
+				if phase == "nul" {
+					return json.RawMessage(`{"memo":"\u0000"}`), nil
+				}
+				return json.RawMessage(`{"ok":true}`), nil
+			}); err != nil {
+				return txn.Response{}, err
+			}
+		}
+		if fail {
+			return txn.Response{}, context.DeadlineExceeded // left running, resumable
+		}
+		return a.Finish(ctx, func(context.Context, pgx.Tx) (txn.Response, error) { return txn.JSON(201, 1) })
+	})
+	require.NoError(t, reg.Register(wf))
+	r, err := txn.New(d.Pool, &txn.Config{Workflows: reg})
+	require.NoError(t, err)
+	_, err = r.RunWorkflow(ctx, txn.Key{Value: "k", Method: "POST", Path: "/p", Params: []byte(`{"amount":1E+2}`)}, wf)
+	require.ErrorIs(t, err, context.DeadlineExceeded)
+
+	err = migrations.DownTo(ctx, d.Pool, 3)
+	require.Error(t, err)
+	require.Contains(t, err.Error(), "atomicphase.allow_data_loss")
+	var raw []byte
+	require.NoError(t, d.Pool.QueryRow(ctx, `SELECT request_params_raw FROM idempotency_keys`).Scan(&raw))
+	require.Equal(t, `{"amount":1E+2}`, string(raw), "nothing was lost")
+
+	optIn := d.NewPool(t, func(c *pgxpool.Config) { c.ConnConfig.RuntimeParams["atomicphase.allow_data_loss"] = "on" })
+	require.NoError(t, migrations.DownTo(ctx, optIn, 3))
+	var params, results string
+	require.NoError(t, d.Pool.QueryRow(ctx, `SELECT request_params::text, phase_results::text FROM idempotency_keys`).Scan(&params, &results))
+	require.Equal(t, `{"amount": 100}`, params, "kept as jsonb holds it")
+	require.Equal(t, `{}`, results, "the results object held a NUL, which jsonb cannot hold: dropped")
+
+	require.NoError(t, migrations.Up(ctx, d.Pool))
+	fail = false
+	resp, err := r.Resume(ctx, "", "k")
+	require.NoError(t, err, "a key from before the columns existed resumes from jsonb")
+	require.Equal(t, 201, resp.Status)
+}
