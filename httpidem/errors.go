@@ -2,11 +2,16 @@ package httpidem
 
 import "errors"
 
-// Sentinel errors, matched with errors.Is.
+// Sentinel errors, matched with errors.Is. Their text carries no package
+// prefix: the functions that return them add "httpidem: op:" once.
 var (
-	// ErrNoScope is returned by New when Config.Scope is nil.
-	ErrNoScope = errors.New("httpidem: Config.Scope is required")
+	// ErrInvalidConfig: New was given a nil runner, no Scope, or a value
+	// outside its documented range.
+	ErrInvalidConfig = errors.New("invalid config")
+	// ErrNoScope: Config.Scope is nil. New's error wraps it and
+	// ErrInvalidConfig.
+	ErrNoScope = errors.New("Config.Scope is required")
 	// ErrInvalidHeader reports an Idempotency-Key header that is neither an
 	// sf-string nor a bare token, or whose key is not valid.
-	ErrInvalidHeader = errors.New("httpidem: invalid Idempotency-Key header")
+	ErrInvalidHeader = errors.New("invalid Idempotency-Key header")
 )

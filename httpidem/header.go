@@ -1,6 +1,7 @@
 package httpidem
 
 import (
+	"errors"
 	"fmt"
 	"strings"
 
@@ -56,8 +57,9 @@ func ParseKey(v string) (string, error) {
 		}
 		key = v
 	}
-	if err := txn.ValidateKey(key); err != nil {
-		return "", fmt.Errorf("%w: %w", ErrInvalidHeader, err)
+	var reqErr *txn.RequestError
+	if err := txn.ValidateKey(key); errors.As(err, &reqErr) {
+		return "", fmt.Errorf("%w: the key is %s", ErrInvalidHeader, reqErr.Reason)
 	}
 	return key, nil
 }

@@ -11,6 +11,7 @@ import (
 	"log/slog"
 	"net/http"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -23,9 +24,17 @@ import (
 type Config struct {
 	// Scope returns the authenticated principal a request's key belongs to
 	// (account, user, tenant): keys are unique only within a scope, so one
-	// client never sees another's stored response. An error answers 401.
-	// Required.
+	// client never sees another's stored response. An error answers 401, and
+	// so does an empty scope unless AllowAnonymous is set. A scope must be at
+	// most 255 bytes of UTF-8 without NUL (else 400). Required.
 	Scope func(r *http.Request) (string, error)
+
+	// AllowAnonymous lets requests whose Scope is "" run, all in one shared
+	// keyspace: any caller without a principal can then replay any other's
+	// stored response by sending the same key. Set it only for endpoints
+	// whose responses reveal nothing (or whose keys are unguessable and
+	// private to each client). Default: false, an empty scope answers 401.
+	AllowAnonymous bool
 
 	// Required reports whether a request must carry an Idempotency-Key.
 	// GET, HEAD and OPTIONS never need one and are passed through whatever
@@ -38,49 +47,43 @@ type Config struct {
 
 	// StoreHeaders are the response headers stored with a response and
 	// replayed with it; a keyed response carries only these, so the first
-	// answer and every replay are the same. Default: Content-Type and Location.
+	// answer and every replay are the same. A rejection that is not stored
+	// (see txn.Config.Store) is passed through with all its headers.
+	// Default: Content-Type and Location.
 	StoreHeaders []string
 
-	// Store reports whether a response with this status is the operation's
-	// terminal result (stored, replayed to retries) or a rejection before
-	// the operation executed (its writes rolled back, nothing stored, the
-	// response passed through so the client can fix and retry with the same
-	// key). Default: DefaultStore.
-	Store func(status int) bool
-
-	// Logger receives failures to answer. Default: slog.Default().
+	// Logger receives what the runner does not log: a Scope that failed,
+	// and requests the server could not run at all (a workflow not
+	// registered, invalid use). Transient failures are logged once, by the
+	// runner. Default: slog.Default().
 	Logger *slog.Logger
 }
 
-// DefaultStore stores every response except the rejections a client is
-// expected to correct and retry: 400, 401, 403, 404, 405, 409, 413, 415,
-// 422 and 429. Successes, 402 (e.g. card declined) and 5xx the handler
-// chooses to return are stored and replayed.
-func DefaultStore(status int) bool {
-	switch status {
-	case 400, 401, 403, 404, 405, 409, 413, 415, 422, 429:
-		return false
-	}
-	return true
-}
+// DefaultStore is txn.DefaultStore, the policy that decides which responses
+// are stored. The middleware follows the runner's txn.Config.Store.
+//
+// Deprecated: use txn.DefaultStore.
+func DefaultStore(status int) bool { return txn.DefaultStore(status) }
 
 // Middleware runs requests under idempotency keys with a txn.Runner.
 type Middleware struct {
 	runner *txn.Runner
 	cfg    Config
+	store  func(status int) bool
 	stored map[string]bool
 }
 
-// New returns middleware that runs keyed requests with runner.
+// New returns middleware that runs keyed requests with runner. Invalid
+// values give an error wrapping ErrInvalidConfig.
 func New(runner *txn.Runner, cfg *Config) (*Middleware, error) {
 	if runner == nil {
-		return nil, errors.New("httpidem: runner is nil")
+		return nil, fmt.Errorf("httpidem: new: %w: runner is nil", ErrInvalidConfig)
 	}
 	if cfg == nil || cfg.Scope == nil {
-		return nil, ErrNoScope
+		return nil, fmt.Errorf("httpidem: new: %w: %w", ErrInvalidConfig, ErrNoScope)
 	}
 	if cfg.MaxBodyBytes < 0 {
-		return nil, errors.New("httpidem: MaxBodyBytes is negative")
+		return nil, fmt.Errorf("httpidem: new: %w: MaxBodyBytes is negative", ErrInvalidConfig)
 	}
 	c := *cfg
 	if c.Required == nil {
@@ -90,11 +93,8 @@ func New(runner *txn.Runner, cfg *Config) (*Middleware, error) {
 	if c.StoreHeaders == nil {
 		c.StoreHeaders = []string{"Content-Type", "Location"}
 	}
-	if c.Store == nil {
-		c.Store = DefaultStore
-	}
 	c.Logger = cmp.Or(c.Logger, slog.Default())
-	m := &Middleware{runner: runner, cfg: c, stored: map[string]bool{}}
+	m := &Middleware{runner: runner, cfg: c, store: runner.Config().Store, stored: map[string]bool{}}
 	for _, h := range c.StoreHeaders {
 		m.stored[http.CanonicalHeaderKey(h)] = true
 	}
@@ -105,15 +105,19 @@ type txKey struct{}
 
 // Tx returns the transaction a handler wrapped by Middleware.Wrap runs in:
 // write through it so that the writes commit with the key and the response.
-// ok is false when the request runs without a key (e.g. GET).
+// ok is false when the request runs without a key (e.g. GET). The handler
+// may run more than once for one request (after a serialization failure,
+// with the same body each time); only one run's writes commit. It cannot
+// commit or roll back the transaction itself.
 func Tx(ctx context.Context) (tx pgx.Tx, ok bool) {
 	tx, ok = ctx.Value(txKey{}).(pgx.Tx)
 	return tx, ok
 }
 
-// request is a keyed request, checked.
+// request is a keyed request, checked, with its body read.
 type request struct {
-	key txn.Key
+	key  txn.Key
+	body []byte
 }
 
 // prepare reads the key, scope and body. It answers the client itself and
@@ -138,12 +142,22 @@ func (m *Middleware) prepare(w http.ResponseWriter, r *http.Request) (*request, 
 	}
 	value, err := ParseKey(raw[0])
 	if err != nil {
-		problem(w, problemInvalidKey, err.Error(), 0)
+		problem(w, problemInvalidKey, "The Idempotency-Key header is invalid: "+strings.TrimPrefix(err.Error(), ErrInvalidHeader.Error()+": ")+".", 0)
 		return nil, false
 	}
 	scope, err := m.cfg.Scope(r)
 	if err != nil {
+		m.cfg.Logger.DebugContext(r.Context(), "idempotent request without a principal", "method", r.Method, "path", r.URL.Path, "error", err)
 		problem(w, problemUnauthorized, "The request's principal could not be established.", 0)
+		return nil, false
+	}
+	if scope == "" && !m.cfg.AllowAnonymous {
+		problem(w, problemUnauthorized, "An Idempotency-Key is only accepted from an authenticated principal.", 0)
+		return nil, false
+	}
+	var reqErr *txn.RequestError
+	if err := txn.ValidateScope(scope); errors.As(err, &reqErr) {
+		problem(w, problemBadRequest, "The request's principal cannot scope an Idempotency-Key: it is "+reqErr.Reason+".", 0)
 		return nil, false
 	}
 	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, m.cfg.MaxBodyBytes))
@@ -156,16 +170,33 @@ func (m *Middleware) prepare(w http.ResponseWriter, r *http.Request) (*request, 
 		}
 		return nil, false
 	}
-	r.Body = io.NopCloser(bytes.NewReader(body))
 	path := r.URL.EscapedPath()
 	if r.URL.RawQuery != "" {
 		path += "?" + r.URL.RawQuery
 	}
-	return &request{key: txn.Key{Scope: scope, Value: value, Method: r.Method, Path: path, Params: body}}, true
+	return &request{key: txn.Key{Scope: scope, Value: value, Method: r.Method, Path: path, Params: body}, body: body}, true
+}
+
+// withBody returns a shallow copy of r whose body reads body from the start.
+func withBody(ctx context.Context, r *http.Request, body []byte) *http.Request {
+	r = r.WithContext(ctx)
+	r.Body = io.NopCloser(bytes.NewReader(body))
+	r.GetBody = func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(body)), nil }
+	r.ContentLength = int64(len(body))
+	return r
 }
 
 // Wrap runs next under the request's idempotency key, in one transaction
 // with the key (see Tx). Requests without a key that need none pass through.
+//
+// next may run more than once for one request: when its transaction meets a
+// serialization failure or a deadlock (even one the handler swallowed, e.g.
+// by answering 500), it is rolled back and next runs again with the full
+// body and a fresh response; only the last run's response is sent, and
+// nothing is stored until a run commits. When the conflict persists after
+// txn.Config.MaxRetries, the answer is 409 with Retry-After. A response the
+// runner's txn.Config.Store does not store (a client-correctable 4xx) is
+// rolled back and passed through with all its headers.
 func (m *Middleware) Wrap(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		req, ok := m.prepare(w, r)
@@ -176,27 +207,20 @@ func (m *Middleware) Wrap(next http.Handler) http.Handler {
 			next.ServeHTTP(w, r)
 			return
 		}
-		var rejected *recorder
+		var last *recorder
 		resp, err := m.runner.Run(r.Context(), req.key, func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
-			rec := newRecorder()
-			next.ServeHTTP(rec, r.WithContext(context.WithValue(ctx, txKey{}, tx)))
-			if !m.cfg.Store(rec.status) {
-				rejected = rec
-				return txn.Response{}, errRejected
-			}
-			rejected = nil
+			rec := newRecorder() // each run answers afresh, from the full body
+			next.ServeHTTP(rec, withBody(context.WithValue(ctx, txKey{}, tx), r, req.body))
+			last = rec
 			return txn.Response{Status: rec.status, Header: m.storedHeader(rec.header), Body: rec.body.Bytes()}, nil
 		})
-		if errors.Is(err, errRejected) && rejected != nil {
-			rejected.writeTo(w)
+		if err == nil && !resp.Replayed && !m.store(resp.Status) && last != nil {
+			last.writeTo(w) // a rejection, not stored: with all its headers
 			return
 		}
 		m.answer(w, r, resp, err)
 	})
 }
-
-// errRejected rolls back a handler's transaction whose response is not stored.
-var errRejected = errors.New("httpidem: response not stored")
 
 // Workflow returns a handler that runs wf (registered in the runner's
 // registry) under the request's idempotency key, with the JSON body as the
@@ -226,7 +250,9 @@ func (m *Middleware) storedHeader(h http.Header) http.Header {
 	return out
 }
 
-// answer writes a stored or fresh response, or the problem for err.
+// answer writes a stored or fresh response, or the problem for err. The
+// runner has logged transient failures already; only what it does not log
+// is logged here.
 func (m *Middleware) answer(w http.ResponseWriter, r *http.Request, resp txn.Response, err error) {
 	if err == nil {
 		for k, v := range resp.Header {
@@ -239,7 +265,10 @@ func (m *Middleware) answer(w http.ResponseWriter, r *http.Request, resp txn.Res
 		_, _ = w.Write(resp.Body)
 		return
 	}
-	var kse *txn.KeyStateError
+	var (
+		kse    *txn.KeyStateError
+		reqErr *txn.RequestError
+	)
 	switch {
 	case errors.Is(err, txn.ErrKeyInUse):
 		retry := time.Second
@@ -249,17 +278,22 @@ func (m *Middleware) answer(w http.ResponseWriter, r *http.Request, resp txn.Res
 		problem(w, problemInUse, "A request with this Idempotency-Key is being processed; retry later.", retry)
 	case errors.Is(err, txn.ErrKeyReused):
 		problem(w, problemReused, "This Idempotency-Key was used with a different request.", 0)
-	case errors.Is(err, txn.ErrRequestTooLarge):
-		problem(w, problemTooLarge, "The body is too large.", 0)
-	case errors.Is(err, txn.ErrInvalidRequest), errors.Is(err, txn.ErrInvalidKey):
-		problem(w, problemBadRequest, "The body must be JSON: "+err.Error(), 0)
+	case errors.As(err, &reqErr) && reqErr.Err == txn.ErrRequestTooLarge:
+		problem(w, problemTooLarge, "The body is too large: "+reqErr.Reason+".", 0)
+	case errors.As(err, &reqErr) && reqErr.Field == "params":
+		problem(w, problemBadRequest, "The body is not acceptable JSON: "+reqErr.Reason+".", 0)
+	case errors.As(err, &reqErr):
+		problem(w, problemBadRequest, fmt.Sprintf("The request's %s is invalid: %s.", reqErr.Field, reqErr.Reason), 0)
 	case errors.Is(err, txn.ErrConflict), errors.Is(err, txn.ErrLeaseLost):
 		problem(w, problemConflict, "The request conflicted with concurrent work; retry with the same key.", time.Second)
+	case errors.Is(err, txn.ErrUnknownWorkflow):
+		// Returned before any key was written: the runner logged nothing.
+		m.cfg.Logger.ErrorContext(r.Context(), "idempotent request cannot run: its workflow is not registered with the runner",
+			"method", r.Method, "path", r.URL.Path, "error", err)
+		problem(w, problemInternal, "The server cannot process this request.", 0)
+	case errors.Is(err, txn.ErrInvalidUse):
+		problem(w, problemInternal, "The server cannot process this request.", 0)
 	default:
-		if !errors.Is(err, context.Canceled) {
-			m.cfg.Logger.ErrorContext(r.Context(), "idempotent request failed; the key stays resumable",
-				"method", r.Method, "path", r.URL.Path, "error", err)
-		}
 		problem(w, problemInternal, "The request could not be completed; retry with the same key.", 0)
 	}
 }
