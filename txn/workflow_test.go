@@ -46,22 +46,25 @@ func TestAmbiguousKeyInsertDoesNotHoldTheKeyForALease(t *testing.T) {
 // a lease that is still live, so no other attempt may take the key over.
 func TestLeaseOutlivesAPhaseLongerThanTheLease(t *testing.T) {
 	t.Parallel()
-	const lease = 300 * time.Millisecond
+	const lease, phase = time.Second, 1200 * time.Millisecond
 	e := newEnv(t, &txn.Config{LeaseDuration: lease})
 	ctx := ctxT(t)
-	var remaining float64 // seconds
+	var counted, remaining float64 // seconds
 	var inUse error
 	var wf *txn.Workflow
 	wf = txn.NewWorkflow("slow_phase", func(ctx context.Context, a *txn.Attempt) (txn.Response, error) {
 		if _, err := txn.Atomic(ctx, a, "slow", func(ctx context.Context, tx pgx.Tx) (int, error) {
 			// The phase outlasts the lease (a slow query, a lock wait).
-			_, err := tx.Exec(ctx, `SELECT pg_sleep($1)`, (lease + 200*time.Millisecond).Seconds())
+			_, err := tx.Exec(ctx, `SELECT pg_sleep($1)`, phase.Seconds())
 			return 1, err
 		}); err != nil {
 			return txn.Response{}, err
 		}
-		if err := e.Pool.QueryRow(ctx, `SELECT extract(epoch FROM leased_until - clock_timestamp())
-			FROM idempotency_keys WHERE key = 'k1'`).Scan(&remaining); err != nil {
+		// last_run_at is the phase transaction's start (now()); the lease
+		// must count from after the phase's work.
+		if err := e.Pool.QueryRow(ctx, `SELECT extract(epoch FROM leased_until - last_run_at),
+			extract(epoch FROM leased_until - clock_timestamp()) FROM idempotency_keys WHERE key = 'k1'`).
+			Scan(&counted, &remaining); err != nil {
 			return txn.Response{}, err
 		}
 		_, inUse = e.runner.RunWorkflow(ctx, rideKey("k1"), wf)
@@ -71,6 +74,7 @@ func TestLeaseOutlivesAPhaseLongerThanTheLease(t *testing.T) {
 	resp, err := e.runner.RunWorkflow(ctx, rideKey("k1"), wf)
 	require.NoError(t, err)
 	require.Equal(t, 201, resp.Status)
+	require.GreaterOrEqual(t, counted, (lease + phase).Seconds(), "the lease counts from the commit, not the phase's start")
 	require.Greater(t, remaining, 0.0, "the lease is live after the commit")
 	require.ErrorIs(t, inUse, txn.ErrKeyInUse, "a concurrent retry cannot take the key over")
 	require.Equal(t, 1, readKey(t, e.Pool, "user_1", "k1").Attempts)

@@ -181,6 +181,7 @@ func (p *Proxy) clientToServer(client, server net.Conn) {
 // On the server's side (fromServer) it also performs an armed commit cut.
 func (p *Proxy) copyDelayed(dst, src net.Conn, fromServer bool) {
 	buf := make([]byte, 64<<10)
+	awaitingReady := false // an armed statement answered; its ReadyForQuery is still to come
 	for {
 		n, err := src.Read(buf)
 		if n > 0 {
@@ -188,7 +189,13 @@ func (p *Proxy) copyDelayed(dst, src net.Conn, fromServer bool) {
 				time.Sleep(d)
 			}
 			chunk := buf[:n]
-			if fromServer && p.tagCommitted(chunk) {
+			rest := chunk // where the statement's ReadyForQuery may be
+			if fromServer && !awaitingReady {
+				if end := p.tagAnswered(chunk); end >= 0 {
+					awaitingReady, rest = true, chunk[end:]
+				}
+			}
+			if awaitingReady && bytes.Contains(rest, readyIdle) {
 				_ = dst.Close()
 				_ = src.Close()
 				select {
@@ -207,6 +214,9 @@ func (p *Proxy) copyDelayed(dst, src net.Conn, fromServer bool) {
 				}
 				return
 			}
+			if awaitingReady {
+				continue // withheld: the client never sees the statement's answer
+			}
 			if _, werr := dst.Write(chunk); werr != nil {
 				return
 			}
@@ -217,16 +227,17 @@ func (p *Proxy) copyDelayed(dst, src net.Conn, fromServer bool) {
 	}
 }
 
-// tagCommitted reports (and disarms) an armed CutAfterNextStatement whose
-// statement chunk answers, followed by the end of its transaction.
-func (p *Proxy) tagCommitted(chunk []byte) bool {
+// tagAnswered reports (and disarms) an armed CutAfterNextStatement whose
+// statement chunk answers: it returns the offset just past that answer in
+// chunk, or -1.
+func (p *Proxy) tagAnswered(chunk []byte) int {
 	msg := p.armTag.Load()
 	if msg == nil {
-		return false
+		return -1
 	}
 	i := bytes.Index(chunk, *msg)
-	if i < 0 || !bytes.Contains(chunk[i+len(*msg):], readyIdle) {
-		return false
+	if i < 0 || !p.armTag.CompareAndSwap(msg, nil) {
+		return -1
 	}
-	return p.armTag.CompareAndSwap(msg, nil)
+	return i + len(*msg)
 }
