@@ -9,6 +9,8 @@ import (
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/atomicphase/atomicphase/internal/fanout"
 )
 
 // NATSConfig configures a NATSPublisher. The zero value is usable; every
@@ -86,7 +88,7 @@ func (p *NATSPublisher) MsgID(id int64) string {
 // Publish implements Publisher: it publishes msgs concurrently (they never
 // share an ordering key) and returns when every one is acknowledged or failed.
 func (p *NATSPublisher) Publish(ctx context.Context, msgs []Envelope) []error {
-	return publishEach(ctx, msgs, p.cfg.MaxInFlight, p.publishOne)
+	return fanout.Each(ctx, msgs, p.cfg.MaxInFlight, p.publishOne)
 }
 
 func (p *NATSPublisher) publishOne(ctx context.Context, e *Envelope) error {

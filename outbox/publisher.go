@@ -1,9 +1,6 @@
 package outbox
 
-import (
-	"context"
-	"sync"
-)
+import "context"
 
 // Publisher delivers messages to a broker or a receiver.
 //
@@ -42,28 +39,5 @@ func (f PublisherFunc) Publish(ctx context.Context, msgs []Envelope) []error {
 		}
 		errs[i] = f(ctx, msgs[i])
 	}
-	return errs
-}
-
-// publishEach runs publish for every message, at most limit at a time
-// (messages of one call never share an ordering key), and returns one result
-// per message; messages not started when ctx ends fail with ctx's error.
-func publishEach(ctx context.Context, msgs []Envelope, limit int, publish func(context.Context, *Envelope) error) []error {
-	errs := make([]error, len(msgs))
-	sem := make(chan struct{}, limit)
-	var wg sync.WaitGroup
-	for i := range msgs {
-		select {
-		case sem <- struct{}{}:
-		case <-ctx.Done():
-			errs[i] = ctx.Err()
-			continue
-		}
-		wg.Go(func() {
-			defer func() { <-sem }()
-			errs[i] = publish(ctx, &msgs[i])
-		})
-	}
-	wg.Wait()
 	return errs
 }

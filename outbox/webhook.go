@@ -13,6 +13,8 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/atomicphase/atomicphase/internal/fanout"
 )
 
 // Headers of a webhook call.
@@ -109,7 +111,7 @@ func NewWebhookPublisher(cfg WebhookConfig) (*WebhookPublisher, error) {
 
 // Publish implements Publisher.
 func (p *WebhookPublisher) Publish(ctx context.Context, msgs []Envelope) []error {
-	return publishEach(ctx, msgs, p.cfg.Concurrency, p.call)
+	return fanout.Each(ctx, msgs, p.cfg.Concurrency, p.call)
 }
 
 func (p *WebhookPublisher) call(ctx context.Context, e *Envelope) error {
