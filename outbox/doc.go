@@ -13,9 +13,10 @@
 // The relay delivers at least once: a message is marked published in the
 // same transaction that claimed it, after the publisher acknowledged it, so
 // a crash or lost connection between the two publishes it again. Every
-// publish of a message carries the same id ([Envelope].ID). The
-// [NATSPublisher] sets it as Nats-Msg-Id, so JetStream drops republishes
-// within the stream's duplicate window and stores each message exactly once;
+// publish of a message carries the same id ([Envelope].ID). The NATS
+// JetStream publisher (package natspub) sets it as Nats-Msg-Id, so JetStream
+// drops republishes within the stream's duplicate window and stores each
+// message exactly once;
 // the [WebhookPublisher] sends it as Idempotency-Key. Consumers that need
 // exactly-once processing beyond that deduplicate on the id.
 //

@@ -4,16 +4,12 @@ import (
 	"context"
 	"crypto/rand"
 	"log/slog"
-	"os"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
-	"github.com/nats-io/nats-server/v2/server"
-	"github.com/nats-io/nats.go"
-	"github.com/nats-io/nats.go/jetstream"
 	"github.com/stretchr/testify/require"
 
 	"github.com/atomicphase/atomicphase/internal/pgtest"
@@ -21,114 +17,8 @@ import (
 
 func TestMain(m *testing.M) { pgtest.Main(m) }
 
-// envNATSURL names the environment variable holding a NATS server with
-// JetStream for the tests; without it each test starts its own in-process.
-const envNATSURL = "TEST_NATS_URL"
-
-// uniqueName returns a short random name, unique per call, for streams,
-// subjects and application names.
+// uniqueName returns a short random name, unique per call.
 func uniqueName() string { return strings.ToLower(rand.Text()[:12]) }
-
-// natsURL returns the URL of a JetStream-enabled NATS server for t.
-func natsURL(t *testing.T) string {
-	t.Helper()
-	if url := os.Getenv(envNATSURL); url != "" {
-		return url
-	}
-	s, err := server.NewServer(&server.Options{
-		Host:      "127.0.0.1",
-		Port:      server.RANDOM_PORT,
-		JetStream: true,
-		StoreDir:  t.TempDir(),
-		NoLog:     true,
-		NoSigs:    true,
-	})
-	require.NoError(t, err)
-	s.Start()
-	t.Cleanup(func() {
-		s.Shutdown()
-		s.WaitForShutdown()
-	})
-	require.True(t, s.ReadyForConnections(10*time.Second), "in-process NATS server did not start")
-	return s.ClientURL()
-}
-
-// natsConn connects to url; the connection is closed at cleanup.
-func natsConn(t *testing.T, url string) jetstream.JetStream {
-	t.Helper()
-	nc, err := nats.Connect(url, nats.Name("outbox-test"))
-	require.NoError(t, err)
-	t.Cleanup(nc.Close)
-	js, err := jetstream.New(nc)
-	require.NoError(t, err)
-	return js
-}
-
-// testStream is a JetStream stream of one test, deleted at cleanup.
-type testStream struct {
-	js     jetstream.JetStream
-	stream jetstream.Stream
-	prefix string // subject prefix: the stream holds prefix + ">"
-}
-
-func newTestStream(t *testing.T, js jetstream.JetStream) *testStream {
-	t.Helper()
-	name := uniqueName()
-	prefix := "t" + name + "."
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	stream, err := js.CreateStream(ctx, jetstream.StreamConfig{
-		Name:       "OUTBOX_" + strings.ToUpper(name),
-		Subjects:   []string{prefix + ">"},
-		Storage:    jetstream.MemoryStorage,
-		Duplicates: 2 * time.Minute,
-	})
-	require.NoError(t, err)
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		defer cancel()
-		_ = js.DeleteStream(ctx, stream.CachedInfo().Config.Name)
-	})
-	return &testStream{js: js, stream: stream, prefix: prefix}
-}
-
-// storedMsg is a message read back from a stream.
-type storedMsg struct {
-	subject string
-	msgID   string
-	data    string
-	headers nats.Header
-}
-
-// messages reads every message in the stream, in stream order.
-func (s *testStream) messages(t *testing.T) []storedMsg {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	info, err := s.stream.Info(ctx)
-	require.NoError(t, err)
-	total := int(info.State.Msgs)
-	cons, err := s.stream.OrderedConsumer(ctx, jetstream.OrderedConsumerConfig{})
-	require.NoError(t, err)
-	out := make([]storedMsg, 0, total)
-	for len(out) < total {
-		batch, err := cons.Fetch(min(total-len(out), 1000), jetstream.FetchMaxWait(5*time.Second))
-		require.NoError(t, err)
-		n := 0
-		for m := range batch.Messages() {
-			n++
-			out = append(out, storedMsg{
-				subject: m.Subject(),
-				msgID:   m.Headers().Get(jetstream.MsgIDHeader),
-				data:    string(m.Data()),
-				headers: m.Headers(),
-			})
-		}
-		require.NoError(t, batch.Error())
-		require.NotZero(t, n, "stream stopped yielding messages after %d of %d", len(out), total)
-	}
-	return out
-}
 
 // testLogger writes warnings and errors to the test's output, and keeps
 // every record for assertions.

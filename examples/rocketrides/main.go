@@ -32,6 +32,7 @@ import (
 	"github.com/atomicphase/atomicphase/httpidem"
 	"github.com/atomicphase/atomicphase/migrations"
 	"github.com/atomicphase/atomicphase/outbox"
+	"github.com/atomicphase/atomicphase/outbox/natspub"
 	"github.com/atomicphase/atomicphase/recovery"
 	"github.com/atomicphase/atomicphase/txn"
 )
@@ -133,7 +134,7 @@ func serve(ctx context.Context, logger *slog.Logger, o options) error {
 		return err
 	}
 
-	pub, err := outbox.NewNATSPublisher(js, &outbox.NATSConfig{SubjectPrefix: o.prefix})
+	pub, err := natspub.New(js, &natspub.Config{SubjectPrefix: o.prefix})
 	if err != nil {
 		return err
 	}

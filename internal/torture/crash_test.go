@@ -19,6 +19,7 @@ import (
 
 	"github.com/atomicphase/atomicphase/internal/pgtest"
 	"github.com/atomicphase/atomicphase/outbox"
+	"github.com/atomicphase/atomicphase/outbox/natspub"
 	"github.com/atomicphase/atomicphase/recovery"
 	"github.com/atomicphase/atomicphase/txn"
 )
@@ -114,7 +115,7 @@ func TestCrashChild(t *testing.T) {
 		require.NoError(t, err)
 		js, err := jetstream.New(nc)
 		require.NoError(t, err)
-		pub, err := outbox.NewNATSPublisher(js, nil)
+		pub, err := natspub.New(js, nil)
 		require.NoError(t, err)
 		relay, err := outbox.New(pool, killingPublisher{pub}, &outbox.Config{Logger: quietLogger(t)})
 		require.NoError(t, err)
@@ -126,7 +127,7 @@ func TestCrashChild(t *testing.T) {
 // relayAll publishes every pending outbox row to JetStream.
 func relayAll(t *testing.T, pool *pgxpool.Pool, js jetstream.JetStream) {
 	t.Helper()
-	pub, err := outbox.NewNATSPublisher(js, nil)
+	pub, err := natspub.New(js, nil)
 	require.NoError(t, err)
 	relay, err := outbox.New(pool, pub, &outbox.Config{Logger: quietLogger(t)})
 	require.NoError(t, err)

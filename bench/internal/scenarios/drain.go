@@ -14,6 +14,7 @@ import (
 
 	"github.com/atomicphase/atomicphase/bench/internal/harness"
 	"github.com/atomicphase/atomicphase/outbox"
+	"github.com/atomicphase/atomicphase/outbox/natspub"
 )
 
 // Relay capacity: n messages are committed first (100 per transaction),
@@ -74,7 +75,7 @@ func (s *Suite) drainOurs(ctx context.Context, n int) (float64, error) {
 		return 0, err
 	}
 	tr := newAckTracker()
-	pub, err := outbox.NewNATSPublisher(js, &outbox.NATSConfig{SubjectPrefix: "apbench.ap."})
+	pub, err := natspub.New(js, &natspub.Config{SubjectPrefix: "apbench.ap."})
 	if err != nil {
 		return 0, err
 	}

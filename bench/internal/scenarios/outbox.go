@@ -21,6 +21,7 @@ import (
 
 	"github.com/atomicphase/atomicphase/bench/internal/harness"
 	"github.com/atomicphase/atomicphase/outbox"
+	"github.com/atomicphase/atomicphase/outbox/natspub"
 )
 
 // ackTracker pairs each message's commit time with the time the broker
@@ -180,7 +181,7 @@ var ourOutbox = outboxSubject{name: "atomicphase outbox → relay → JetStream"
 	if err != nil {
 		return nil, nil, err
 	}
-	pub, err := outbox.NewNATSPublisher(js, &outbox.NATSConfig{SubjectPrefix: "apbench.ap."})
+	pub, err := natspub.New(js, &natspub.Config{SubjectPrefix: "apbench.ap."})
 	if err != nil {
 		nc.Close()
 		return nil, nil, err
@@ -227,7 +228,7 @@ var ourOutboxNoNotify = outboxSubject{name: "experiment: no NOTIFY, relay polls 
 	if err != nil {
 		return nil, nil, err
 	}
-	pub, err := outbox.NewNATSPublisher(js, &outbox.NATSConfig{SubjectPrefix: "apbench.ap."})
+	pub, err := natspub.New(js, &natspub.Config{SubjectPrefix: "apbench.ap."})
 	if err != nil {
 		nc.Close()
 		return nil, nil, err

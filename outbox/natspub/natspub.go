@@ -1,4 +1,9 @@
-package outbox
+// Package natspub publishes outbox messages to NATS JetStream.
+//
+// A [Publisher] sets each message's id as its Nats-Msg-Id, so JetStream drops
+// a republish that arrives within the stream's duplicate window and stores
+// every message exactly once.
+package natspub
 
 import (
 	"context"
@@ -11,11 +16,12 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/atomicphase/atomicphase/internal/fanout"
+	"github.com/atomicphase/atomicphase/outbox"
 )
 
-// NATSConfig configures a NATSPublisher. The zero value is usable; every
-// field states its default.
-type NATSConfig struct {
+// Config configures a Publisher. The zero value is usable; every field
+// states its default.
+type Config struct {
 	// SubjectPrefix is prepended to a message's topic to form its subject
 	// ("billing." + "invoice.paid"). Default: "", the subject is the topic.
 	SubjectPrefix string
@@ -31,7 +37,7 @@ type NATSConfig struct {
 	MaxInFlight int
 }
 
-// NATSPublisher publishes to NATS JetStream and waits for each message's
+// Publisher publishes to NATS JetStream and waits for each message's
 // acknowledgement (PubAck) from the stream.
 //
 // Each message goes to subject SubjectPrefix+Topic with its headers and
@@ -48,20 +54,20 @@ type NATSConfig struct {
 // Nats-Msg-Id.
 //
 // An invalid subject or a message larger than the server or stream accepts is
-// a permanent failure (ErrPermanent); a missing stream, a timeout or a
+// a permanent failure (outbox.ErrPermanent); a missing stream, a timeout or a
 // disconnection is retried.
-type NATSPublisher struct {
+type Publisher struct {
 	js  jetstream.JetStream
-	cfg NATSConfig
+	cfg Config
 }
 
-// NewNATSPublisher returns a publisher on js, for example
-// jetstream.New(nc). cfg may be nil for the defaults.
-func NewNATSPublisher(js jetstream.JetStream, cfg *NATSConfig) (*NATSPublisher, error) {
+// New returns a publisher on js, for example jetstream.New(nc). cfg may be
+// nil for the defaults.
+func New(js jetstream.JetStream, cfg *Config) (*Publisher, error) {
 	if js == nil {
 		return nil, fmt.Errorf("%w: nil JetStream", ErrInvalidConfig)
 	}
-	var c NATSConfig
+	var c Config
 	if cfg != nil {
 		c = *cfg
 	}
@@ -74,27 +80,28 @@ func NewNATSPublisher(js jetstream.JetStream, cfg *NATSConfig) (*NATSPublisher, 
 	if strings.ContainsAny(c.SubjectPrefix, " \t\r\n*>") {
 		return nil, fmt.Errorf("%w: SubjectPrefix %q contains whitespace or a wildcard", ErrInvalidConfig, c.SubjectPrefix)
 	}
-	if !validHeaderValue(c.MsgIDPrefix) {
+	if hasControl(c.MsgIDPrefix) {
 		return nil, fmt.Errorf("%w: MsgIDPrefix %q contains a control character", ErrInvalidConfig, c.MsgIDPrefix)
 	}
-	return &NATSPublisher{js: js, cfg: c}, nil
+	return &Publisher{js: js, cfg: c}, nil
 }
 
 // MsgID returns the Nats-Msg-Id this publisher gives the message with id.
-func (p *NATSPublisher) MsgID(id int64) string {
+func (p *Publisher) MsgID(id int64) string {
 	return p.cfg.MsgIDPrefix + strconv.FormatInt(id, 10)
 }
 
-// Publish implements Publisher: it publishes msgs concurrently (they never
-// share an ordering key) and returns when every one is acknowledged or failed.
-func (p *NATSPublisher) Publish(ctx context.Context, msgs []Envelope) []error {
+// Publish implements outbox.Publisher: it publishes msgs concurrently (they
+// never share an ordering key) and returns when every one is acknowledged or
+// failed.
+func (p *Publisher) Publish(ctx context.Context, msgs []outbox.Envelope) []error {
 	return fanout.Each(ctx, msgs, p.cfg.MaxInFlight, p.publishOne)
 }
 
-func (p *NATSPublisher) publishOne(ctx context.Context, e *Envelope) error {
+func (p *Publisher) publishOne(ctx context.Context, e *outbox.Envelope) error {
 	subject := p.cfg.SubjectPrefix + e.Topic
 	if !validSubject(subject) {
-		return Permanent(fmt.Errorf("nats: invalid subject %q", subject))
+		return outbox.Permanent(fmt.Errorf("nats: invalid subject %q", subject))
 	}
 	m := nats.NewMsg(subject)
 	m.Data = e.Payload
@@ -106,7 +113,7 @@ func (p *NATSPublisher) publishOne(ctx context.Context, e *Envelope) error {
 		var apiErr *jetstream.APIError
 		if errors.Is(err, nats.ErrMaxPayload) || errors.Is(err, nats.ErrBadSubject) ||
 			(errors.As(err, &apiErr) && apiErr.ErrorCode == jetstream.JSErrCodeStreamMessageExceedsMaximum) {
-			return Permanent(err)
+			return outbox.Permanent(err)
 		}
 		return err
 	}
@@ -127,4 +134,12 @@ func validSubject(s string) bool {
 	return true
 }
 
-func validHeaderValue(s string) bool { return !hasControl(s, true) }
+// hasControl reports ASCII control characters other than horizontal tab.
+func hasControl(s string) bool {
+	for i := 0; i < len(s); i++ {
+		if c := s[i]; (c < 0x20 && c != '\t') || c == 0x7f {
+			return true
+		}
+	}
+	return false
+}

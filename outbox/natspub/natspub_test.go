@@ -1,4 +1,4 @@
-package outbox
+package natspub_test
 
 import (
 	"context"
@@ -15,8 +15,22 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
+	"github.com/atomicphase/atomicphase/internal/outboxtest"
 	"github.com/atomicphase/atomicphase/internal/pgtest"
+	"github.com/atomicphase/atomicphase/outbox"
+	"github.com/atomicphase/atomicphase/outbox/natspub"
 )
+
+func TestMain(m *testing.M) { pgtest.Main(m) }
+
+// fill returns n copies of err.
+func fill(n int, err error) []error {
+	errs := make([]error, n)
+	for i := range errs {
+		errs[i] = err
+	}
+	return errs
+}
 
 // The NATS publisher publishes to prefix+topic with the message's headers
 // and Nats-Msg-Id = id, waits for the acknowledgement, and a republish of
@@ -24,48 +38,48 @@ import (
 // subjects fail permanently; a subject without a stream is retried.
 func TestNATSPublisherMsgIDAndDedup(t *testing.T) {
 	t.Parallel()
-	js := natsConn(t, natsURL(t))
-	ts := newTestStream(t, js)
+	js := outboxtest.Conn(t, outboxtest.NATSURL(t))
+	ts := outboxtest.NewStream(t, js, 2*time.Minute)
 	ctx := context.Background()
 
-	pub, err := NewNATSPublisher(js, &NATSConfig{SubjectPrefix: ts.prefix})
+	pub, err := natspub.New(js, &natspub.Config{SubjectPrefix: ts.Prefix})
 	require.NoError(t, err)
-	e := Envelope{ID: 42, Topic: "orders.created", Payload: []byte(`{"id":1}`), Headers: map[string]string{"X-Trace": "abc", "Nats-Msg-Id": "forged"}, Attempt: 1}
-	require.Equal(t, []error{nil}, pub.Publish(ctx, []Envelope{e}))
+	e := outbox.Envelope{ID: 42, Topic: "orders.created", Payload: []byte(`{"id":1}`), Headers: map[string]string{"X-Trace": "abc", "Nats-Msg-Id": "forged"}, Attempt: 1}
+	require.Equal(t, []error{nil}, pub.Publish(ctx, []outbox.Envelope{e}))
 	e.Attempt = 2
-	require.Equal(t, []error{nil}, pub.Publish(ctx, []Envelope{e}), "a duplicate is a success")
+	require.Equal(t, []error{nil}, pub.Publish(ctx, []outbox.Envelope{e}), "a duplicate is a success")
 
-	prefixed, err := NewNATSPublisher(js, &NATSConfig{SubjectPrefix: ts.prefix, MsgIDPrefix: "billing-"})
+	prefixed, err := natspub.New(js, &natspub.Config{SubjectPrefix: ts.Prefix, MsgIDPrefix: "billing-"})
 	require.NoError(t, err)
 	require.Equal(t, "billing-42", prefixed.MsgID(42))
-	require.Equal(t, []error{nil}, prefixed.Publish(ctx, []Envelope{e}), "another outbox's message 42")
+	require.Equal(t, []error{nil}, prefixed.Publish(ctx, []outbox.Envelope{e}), "another outbox's message 42")
 
-	msgs := ts.messages(t)
+	msgs := ts.Messages(t)
 	require.Len(t, msgs, 2)
-	require.Equal(t, ts.prefix+"orders.created", msgs[0].subject)
-	require.Equal(t, "42", msgs[0].msgID)
-	require.Equal(t, `{"id":1}`, msgs[0].data)
-	require.Equal(t, "abc", msgs[0].headers.Get("X-Trace"))
-	require.Equal(t, "billing-42", msgs[1].msgID)
+	require.Equal(t, ts.Prefix+"orders.created", msgs[0].Subject)
+	require.Equal(t, "42", msgs[0].MsgID)
+	require.Equal(t, `{"id":1}`, msgs[0].Data)
+	require.Equal(t, "abc", msgs[0].Headers.Get("X-Trace"))
+	require.Equal(t, "billing-42", msgs[1].MsgID)
 
-	errs := pub.Publish(ctx, []Envelope{
+	errs := pub.Publish(ctx, []outbox.Envelope{
 		{ID: 1, Topic: "has space"},
 		{ID: 2, Topic: "wild.*"},
 		{ID: 3, Topic: "trailing."},
 	})
 	for _, err := range errs {
-		require.ErrorIs(t, err, ErrPermanent)
+		require.ErrorIs(t, err, outbox.ErrPermanent)
 	}
-	noStream, err := NewNATSPublisher(js, &NATSConfig{SubjectPrefix: "nostream" + uniqueName() + "."})
+	noStream, err := natspub.New(js, &natspub.Config{SubjectPrefix: "nostream" + outboxtest.UniqueName() + "."})
 	require.NoError(t, err)
-	err = noStream.Publish(ctx, []Envelope{{ID: 1, Topic: "t"}})[0]
+	err = noStream.Publish(ctx, []outbox.Envelope{{ID: 1, Topic: "t"}})[0]
 	require.Error(t, err)
-	require.NotErrorIs(t, err, ErrPermanent)
+	require.NotErrorIs(t, err, outbox.ErrPermanent)
 
-	_, err = NewNATSPublisher(nil, nil)
-	require.ErrorIs(t, err, ErrInvalidConfig)
-	_, err = NewNATSPublisher(js, &NATSConfig{SubjectPrefix: "a.>"})
-	require.ErrorIs(t, err, ErrInvalidConfig)
+	_, err = natspub.New(nil, nil)
+	require.ErrorIs(t, err, outbox.ErrInvalidConfig)
+	_, err = natspub.New(js, &natspub.Config{SubjectPrefix: "a.>"})
+	require.ErrorIs(t, err, outbox.ErrInvalidConfig)
 }
 
 // The relay crashes after JetStream acknowledged the batch but before the
@@ -76,14 +90,14 @@ func TestNATSPublisherMsgIDAndDedup(t *testing.T) {
 // A lost acknowledgement (published, but reported failed) ends the same way.
 func TestRelayCrashAfterAckBeforeMark(t *testing.T) {
 	t.Parallel()
-	url := natsURL(t)
+	url := outboxtest.NATSURL(t)
 
 	stage := func(t *testing.T, pool *pgxpool.Pool) []int64 {
 		for i := range 4 {
-			enqueue(t, pool,
-				Message{Topic: "evt", OrderingKey: "k" + strconv.Itoa(i), Payload: fmt.Appendf(nil, "k%d-1", i)},
-				Message{Topic: "evt", OrderingKey: "k" + strconv.Itoa(i), Payload: fmt.Appendf(nil, "k%d-2", i)},
-				Message{Topic: "evt", Payload: fmt.Appendf(nil, "u%d", i)})
+			outboxtest.Enqueue(t, pool,
+				outbox.Message{Topic: "evt", OrderingKey: "k" + strconv.Itoa(i), Payload: fmt.Appendf(nil, "k%d-1", i)},
+				outbox.Message{Topic: "evt", OrderingKey: "k" + strconv.Itoa(i), Payload: fmt.Appendf(nil, "k%d-2", i)},
+				outbox.Message{Topic: "evt", Payload: fmt.Appendf(nil, "u%d", i)})
 		}
 		var ids []int64
 		rows, err := pool.Query(context.Background(), "SELECT id FROM outbox_messages ORDER BY id")
@@ -96,11 +110,11 @@ func TestRelayCrashAfterAckBeforeMark(t *testing.T) {
 		require.NoError(t, rows.Err())
 		return ids
 	}
-	verify := func(t *testing.T, d *pgtest.DB, ts *testStream, ids []int64, attempts int) {
-		msgs := ts.messages(t)
+	verify := func(t *testing.T, d *pgtest.DB, ts *outboxtest.Stream, ids []int64, attempts int) {
+		msgs := ts.Messages(t)
 		var got []int64
 		for _, m := range msgs {
-			id, err := strconv.ParseInt(m.msgID, 10, 64)
+			id, err := strconv.ParseInt(m.MsgID, 10, 64)
 			require.NoError(t, err)
 			got = append(got, id)
 		}
@@ -113,15 +127,15 @@ func TestRelayCrashAfterAckBeforeMark(t *testing.T) {
 	t.Run("process killed", func(t *testing.T) {
 		t.Parallel()
 		d := pgtest.New(t)
-		js := natsConn(t, url)
-		ts := newTestStream(t, js)
+		js := outboxtest.Conn(t, url)
+		ts := outboxtest.NewStream(t, js, 2*time.Minute)
 		ids := stage(t, d.Pool)
-		nats, err := NewNATSPublisher(js, &NATSConfig{SubjectPrefix: ts.prefix})
+		nats, err := natspub.New(js, &natspub.Config{SubjectPrefix: ts.Prefix})
 		require.NoError(t, err)
 
-		app := "crashing_" + uniqueName()
+		app := "crashing_" + outboxtest.UniqueName()
 		crashPool := d.NewPool(t, func(c *pgxpool.Config) { c.ConnConfig.RuntimeParams["application_name"] = app })
-		crashing := publisherFunc(func(ctx context.Context, msgs []Envelope) []error {
+		crashing := publisherFunc(func(ctx context.Context, msgs []outbox.Envelope) []error {
 			errs := nats.Publish(ctx, msgs)
 			// The process dies: its connection, and the claim transaction
 			// with it, are gone before anything is marked.
@@ -132,40 +146,40 @@ func TestRelayCrashAfterAckBeforeMark(t *testing.T) {
 			}
 			return errs
 		})
-		r := newTestRelay(t, crashPool, crashing, Config{})
+		r := outboxtest.NewRelay(t, crashPool, crashing, outbox.Config{})
 		_, err = r.RunOnce(context.Background())
 		require.Error(t, err)
 		require.Zero(t, d.Count(t, "SELECT count(*) FROM outbox_messages WHERE published_at IS NOT NULL OR attempts > 0"))
-		require.Len(t, ts.messages(t), len(ids), "JetStream has the whole batch")
+		require.Len(t, ts.Messages(t), len(ids), "JetStream has the whole batch")
 		// pg_terminate_backend only signals: the dead session's row locks
 		// last until its backend has exited, and SKIP LOCKED would skip them.
 		require.Eventually(t, func() bool {
 			return d.Count(t, "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1", app) == 0
 		}, 30*time.Second, 10*time.Millisecond)
 
-		restarted := newTestRelay(t, d.Pool, nats, Config{})
-		require.Equal(t, len(ids), drain(t, restarted))
+		restarted := outboxtest.NewRelay(t, d.Pool, nats, outbox.Config{})
+		require.Equal(t, len(ids), outboxtest.Drain(t, restarted))
 		verify(t, d, ts, ids, 1)
 	})
 
 	t.Run("acknowledgement lost", func(t *testing.T) {
 		t.Parallel()
 		d := pgtest.New(t)
-		js := natsConn(t, url)
-		ts := newTestStream(t, js)
+		js := outboxtest.Conn(t, url)
+		ts := outboxtest.NewStream(t, js, 2*time.Minute)
 		ids := stage(t, d.Pool)
-		nats, err := NewNATSPublisher(js, &NATSConfig{SubjectPrefix: ts.prefix})
+		nats, err := natspub.New(js, &natspub.Config{SubjectPrefix: ts.Prefix})
 		require.NoError(t, err)
 		var lost atomic.Bool
-		lossy := publisherFunc(func(ctx context.Context, msgs []Envelope) []error {
+		lossy := publisherFunc(func(ctx context.Context, msgs []outbox.Envelope) []error {
 			errs := nats.Publish(ctx, msgs)
 			if lost.CompareAndSwap(false, true) {
 				return fill(len(msgs), errors.New("ack lost"))
 			}
 			return errs
 		})
-		r := newTestRelay(t, d.Pool, lossy, Config{RetryBaseDelay: time.Millisecond, RetryMaxDelay: time.Millisecond})
-		eventually(t, func() bool {
+		r := outboxtest.NewRelay(t, d.Pool, lossy, outbox.Config{RetryBaseDelay: time.Millisecond, RetryMaxDelay: time.Millisecond})
+		outboxtest.Eventually(t, func() bool {
 			_, err := r.RunOnce(context.Background())
 			require.NoError(t, err)
 			return d.Count(t, "SELECT count(*) FROM outbox_messages WHERE published_at IS NULL") == 0
@@ -173,11 +187,11 @@ func TestRelayCrashAfterAckBeforeMark(t *testing.T) {
 		// The first wave's messages (the heads and unordered ones) were
 		// published twice and stored once.
 		require.Equal(t, 8, d.Count(t, "SELECT count(*) FROM outbox_messages WHERE attempts = 2 AND last_error = 'ack lost'"))
-		msgs := ts.messages(t)
+		msgs := ts.Messages(t)
 		require.Len(t, msgs, len(ids))
 		var got []int64
 		for _, m := range msgs {
-			id, err := strconv.ParseInt(m.msgID, 10, 64)
+			id, err := strconv.ParseInt(m.MsgID, 10, 64)
 			require.NoError(t, err)
 			got = append(got, id)
 		}
@@ -187,9 +201,11 @@ func TestRelayCrashAfterAckBeforeMark(t *testing.T) {
 }
 
 // publisherFunc adapts a batch function to Publisher.
-type publisherFunc func(ctx context.Context, msgs []Envelope) []error
+type publisherFunc func(ctx context.Context, msgs []outbox.Envelope) []error
 
-func (f publisherFunc) Publish(ctx context.Context, msgs []Envelope) []error { return f(ctx, msgs) }
+func (f publisherFunc) Publish(ctx context.Context, msgs []outbox.Envelope) []error {
+	return f(ctx, msgs)
+}
 
 // Four relays drain 10,000 messages on 100 ordering keys into JetStream
 // while eight producers commit them concurrently. Every message is
@@ -209,19 +225,19 @@ func TestRelayConcurrentDrainIntoJetStream(t *testing.T) {
 		relays    = 4
 	)
 	d := pgtest.New(t)
-	url := natsURL(t)
-	ts := newTestStream(t, natsConn(t, url))
+	url := outboxtest.NATSURL(t)
+	ts := outboxtest.NewStream(t, outboxtest.Conn(t, url), 2*time.Minute)
 	ctx := context.Background()
 	_, err := d.Pool.Exec(ctx, `CREATE TABLE drain_seq (ordering_key text PRIMARY KEY, n integer NOT NULL DEFAULT 0);
 		INSERT INTO drain_seq (ordering_key) SELECT 'key-' || i FROM generate_series(0, 99) AS i`)
 	require.NoError(t, err)
 
-	all := make([]*Relay, relays)
+	all := make([]*outbox.Relay, relays)
 	for i := range all {
-		pub, err := NewNATSPublisher(natsConn(t, url), &NATSConfig{SubjectPrefix: ts.prefix})
+		pub, err := natspub.New(outboxtest.Conn(t, url), &natspub.Config{SubjectPrefix: ts.Prefix})
 		require.NoError(t, err)
-		all[i] = newTestRelay(t, d.Pool, pub, Config{PollInterval: 100 * time.Millisecond})
-		start(t, all[i])
+		all[i] = outboxtest.NewRelay(t, d.Pool, pub, outbox.Config{PollInterval: 100 * time.Millisecond})
+		outboxtest.Start(t, all[i])
 	}
 
 	// The producers' commits need not wait for the disk: commit order, which
@@ -249,16 +265,16 @@ func TestRelayConcurrentDrainIntoJetStream(t *testing.T) {
 			if err != nil {
 				return err
 			}
-			msgs := make([]Message, n)
+			msgs := make([]outbox.Message, n)
 			for i, k := range msgKeys {
 				var seq int
 				if err := tx.QueryRow(ctx, "UPDATE drain_seq SET n = n + 1 WHERE ordering_key = $1 RETURNING n", k).Scan(&seq); err != nil {
 					_ = tx.Rollback(ctx)
 					return err
 				}
-				msgs[i] = Message{Topic: "drain", OrderingKey: k, Payload: fmt.Appendf(nil, "%s/%d", k, seq)}
+				msgs[i] = outbox.Message{Topic: "drain", OrderingKey: k, Payload: fmt.Appendf(nil, "%s/%d", k, seq)}
 			}
-			if err := Enqueue(ctx, tx, msgs...); err != nil {
+			if err := outbox.Enqueue(ctx, tx, msgs...); err != nil {
 				_ = tx.Rollback(ctx)
 				return err
 			}
@@ -276,7 +292,7 @@ func TestRelayConcurrentDrainIntoJetStream(t *testing.T) {
 	}
 	enqueued := time.Since(began)
 
-	eventually(t, func() bool {
+	outboxtest.Eventually(t, func() bool {
 		return d.Count(t, "SELECT count(*) FROM outbox_messages WHERE published_at IS NOT NULL") == total
 	})
 	drained := time.Since(began)
@@ -291,14 +307,14 @@ func TestRelayConcurrentDrainIntoJetStream(t *testing.T) {
 		total, producers, enqueued.Round(time.Millisecond), relays, drained.Round(time.Millisecond),
 		total/drained.Seconds(), perRelay)
 
-	msgs := ts.messages(t)
+	msgs := ts.Messages(t)
 	require.Len(t, msgs, total, "each message once in the stream")
 	seen := make(map[string]bool, total)
 	next := make(map[string]int, keys)
 	for _, m := range msgs {
-		require.False(t, seen[m.msgID], "message %s twice in the stream", m.msgID)
-		seen[m.msgID] = true
-		key, seqText, ok := strings.Cut(m.data, "/")
+		require.False(t, seen[m.MsgID], "message %s twice in the stream", m.MsgID)
+		seen[m.MsgID] = true
+		key, seqText, ok := strings.Cut(m.Data, "/")
 		require.True(t, ok)
 		seq, err := strconv.Atoi(seqText)
 		require.NoError(t, err)
