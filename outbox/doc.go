@@ -16,8 +16,8 @@
 // publish of a message carries the same id ([Envelope].ID). The NATS
 // JetStream publisher (package natspub) sets it as Nats-Msg-Id, so JetStream
 // drops republishes within the stream's duplicate window and stores each
-// message exactly once;
-// the [WebhookPublisher] sends it as Idempotency-Key. Consumers that need
+// message exactly once; the webhook publisher (package webhook) sends it as
+// Idempotency-Key. Consumers that need
 // exactly-once processing beyond that deduplicate on the id.
 //
 // # Ordering

@@ -38,9 +38,6 @@ var (
 	// receiver rejected the message). The relay dead-letters such a message
 	// at once instead of retrying it. Wrap an error with [Permanent].
 	ErrPermanent = errors.New("outbox: permanent publish failure")
-
-	// ErrInvalidSignature: VerifyWebhookSignature found no valid signature.
-	ErrInvalidSignature = errors.New("outbox: invalid webhook signature")
 )
 
 // Permanent wraps err so that errors.Is(result, ErrPermanent) holds, telling

@@ -1,4 +1,4 @@
-package outbox
+package webhook_test
 
 import (
 	"context"
@@ -16,8 +16,13 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/atomicphase/atomicphase/internal/outboxtest"
 	"github.com/atomicphase/atomicphase/internal/pgtest"
+	"github.com/atomicphase/atomicphase/outbox"
+	"github.com/atomicphase/atomicphase/outbox/webhook"
 )
+
+func TestMain(m *testing.M) { pgtest.Main(m) }
 
 var testSecret = []byte("whsec_test_0123456789")
 
@@ -45,8 +50,8 @@ func newReceiver(t *testing.T, answer func(call int, w http.ResponseWriter, r *h
 		rcv.calls = append(rcv.calls, receivedCall{
 			header: r.Header.Clone(),
 			body:   string(body),
-			verifyError: VerifyWebhookSignature(testSecret,
-				r.Header.Get(HeaderWebhookTimestamp), body, r.Header.Get(HeaderWebhookSignature)),
+			verifyError: webhook.VerifySignature(testSecret,
+				r.Header.Get(webhook.HeaderWebhookTimestamp), body, r.Header.Get(webhook.HeaderWebhookSignature)),
 		})
 		n := len(rcv.calls)
 		rcv.mu.Unlock()
@@ -66,9 +71,9 @@ func (rcv *receiver) received() []receivedCall {
 	return append([]receivedCall(nil), rcv.calls...)
 }
 
-func newWebhook(t *testing.T, url string, timeout time.Duration) *WebhookPublisher {
+func newWebhook(t *testing.T, url string, timeout time.Duration) *webhook.Publisher {
 	t.Helper()
-	p, err := NewWebhookPublisher(WebhookConfig{URL: url, Secret: testSecret, Timeout: timeout})
+	p, err := webhook.New(webhook.Config{URL: url, Secret: testSecret, Timeout: timeout})
 	require.NoError(t, err)
 	return p
 }
@@ -80,13 +85,13 @@ func TestWebhookDeliversSignedCall(t *testing.T) {
 	t.Parallel()
 	d := pgtest.New(t)
 	rcv := newReceiver(t, nil)
-	enqueue(t, d.Pool, Message{
+	outboxtest.Enqueue(t, d.Pool, outbox.Message{
 		Topic:   "invoice.paid",
 		Payload: []byte(`{"invoice":"in_1"}`),
 		Headers: map[string]string{"Content-Type": "application/json", "X-Trace": "t-1"},
 	})
-	r := newTestRelay(t, d.Pool, newWebhook(t, rcv.URL, 0), Config{})
-	require.Equal(t, 1, drain(t, r))
+	r := outboxtest.NewRelay(t, d.Pool, newWebhook(t, rcv.URL, 0), outbox.Config{})
+	require.Equal(t, 1, outboxtest.Drain(t, r))
 
 	calls := rcv.received()
 	require.Len(t, calls, 1)
@@ -95,11 +100,11 @@ func TestWebhookDeliversSignedCall(t *testing.T) {
 	require.Equal(t, `{"invoice":"in_1"}`, c.body)
 	var id int64
 	require.NoError(t, d.Pool.QueryRow(context.Background(), "SELECT id FROM outbox_messages").Scan(&id))
-	require.Equal(t, strconv.FormatInt(id, 10), c.header.Get(HeaderIdempotencyKey))
-	require.Equal(t, "invoice.paid", c.header.Get(HeaderWebhookTopic))
+	require.Equal(t, strconv.FormatInt(id, 10), c.header.Get(webhook.HeaderIdempotencyKey))
+	require.Equal(t, "invoice.paid", c.header.Get(webhook.HeaderWebhookTopic))
 	require.Equal(t, "application/json", c.header.Get("Content-Type"))
 	require.Equal(t, "t-1", c.header.Get("X-Trace"))
-	ts, err := strconv.ParseInt(c.header.Get(HeaderWebhookTimestamp), 10, 64)
+	ts, err := strconv.ParseInt(c.header.Get(webhook.HeaderWebhookTimestamp), 10, 64)
 	require.NoError(t, err)
 	require.InDelta(t, time.Now().Unix(), ts, 300)
 	require.Equal(t, 1, d.Count(t, "SELECT count(*) FROM outbox_messages WHERE published_at IS NOT NULL"))
@@ -137,9 +142,9 @@ func TestWebhookStatusHandling(t *testing.T) {
 				}
 				w.WriteHeader(http.StatusOK)
 			})
-			enqueue(t, d.Pool, Message{Topic: "t", Payload: []byte("x")})
-			r := newTestRelay(t, d.Pool, newWebhook(t, rcv.URL, 0), Config{MaxAttempts: 5})
-			eventually(t, func() bool {
+			outboxtest.Enqueue(t, d.Pool, outbox.Message{Topic: "t", Payload: []byte("x")})
+			r := outboxtest.NewRelay(t, d.Pool, newWebhook(t, rcv.URL, 0), outbox.Config{MaxAttempts: 5})
+			outboxtest.Eventually(t, func() bool {
 				_, err := r.RunOnce(context.Background())
 				require.NoError(t, err)
 				return d.Count(t, "SELECT count(*) FROM outbox_messages WHERE published_at IS NULL AND dead_at IS NULL") == 0
@@ -168,8 +173,8 @@ func TestWebhookTimeoutIsRetried(t *testing.T) {
 		}
 		w.WriteHeader(http.StatusOK)
 	})
-	enqueue(t, d.Pool, Message{Topic: "t", Payload: []byte("slow")})
-	r := newTestRelay(t, d.Pool, newWebhook(t, rcv.URL, 150*time.Millisecond), Config{})
+	outboxtest.Enqueue(t, d.Pool, outbox.Message{Topic: "t", Payload: []byte("slow")})
+	r := outboxtest.NewRelay(t, d.Pool, newWebhook(t, rcv.URL, 150*time.Millisecond), outbox.Config{})
 
 	n, err := r.RunOnce(context.Background())
 	require.NoError(t, err)
@@ -177,7 +182,7 @@ func TestWebhookTimeoutIsRetried(t *testing.T) {
 	require.True(t, stalled.Load())
 	require.Equal(t, 1, d.Count(t, `SELECT count(*) FROM outbox_messages
 		WHERE attempts = 1 AND published_at IS NULL AND dead_at IS NULL AND last_error LIKE '%deadline exceeded%'`))
-	eventually(t, func() bool {
+	outboxtest.Eventually(t, func() bool {
 		n, err := r.RunOnce(context.Background())
 		require.NoError(t, err)
 		return n == 1
@@ -186,17 +191,17 @@ func TestWebhookTimeoutIsRetried(t *testing.T) {
 	require.Equal(t, 1, d.Count(t, "SELECT count(*) FROM outbox_messages WHERE attempts = 2 AND published_at IS NOT NULL"))
 }
 
-// VerifyWebhookSignature accepts exactly the signatures made with the
+// VerifySignature accepts exactly the signatures made with the
 // secret over this timestamp and body.
-func TestVerifyWebhookSignature(t *testing.T) {
+func TestVerifySignature(t *testing.T) {
 	t.Parallel()
 	body := []byte(`{"a":1}`)
 	mac := hmac.New(sha256.New, testSecret)
 	mac.Write([]byte("1700000000." + string(body)))
 	good := "v1=" + hex.EncodeToString(mac.Sum(nil))
 
-	require.NoError(t, VerifyWebhookSignature(testSecret, "1700000000", body, good))
-	require.NoError(t, VerifyWebhookSignature(testSecret, "1700000000", body, "v1=00ff, "+good), "any listed signature")
+	require.NoError(t, webhook.VerifySignature(testSecret, "1700000000", body, good))
+	require.NoError(t, webhook.VerifySignature(testSecret, "1700000000", body, "v1=00ff, "+good), "any listed signature")
 	for name, tc := range map[string]struct {
 		secret    []byte
 		timestamp string
@@ -212,21 +217,21 @@ func TestVerifyWebhookSignature(t *testing.T) {
 		"not hex":                {testSecret, "1700000000", body, "v1=zz"},
 		"timestamp not a number": {testSecret, "17e8", body, good},
 	} {
-		require.ErrorIs(t, VerifyWebhookSignature(tc.secret, tc.timestamp, tc.body, tc.header), ErrInvalidSignature, name)
+		require.ErrorIs(t, webhook.VerifySignature(tc.secret, tc.timestamp, tc.body, tc.header), webhook.ErrInvalidSignature, name)
 	}
 }
 
-// NewWebhookPublisher validates its configuration.
-func TestNewWebhookPublisherValidates(t *testing.T) {
+// New validates its configuration.
+func TestNewValidatesConfig(t *testing.T) {
 	t.Parallel()
-	for _, cfg := range []WebhookConfig{
+	for _, cfg := range []webhook.Config{
 		{URL: "", Secret: testSecret},
 		{URL: "ftp://example.invalid/hook", Secret: testSecret},
 		{URL: "/relative", Secret: testSecret},
 		{URL: "http://127.0.0.1/hook"},
 		{URL: "http://127.0.0.1/hook", Secret: testSecret, Timeout: -1},
 	} {
-		_, err := NewWebhookPublisher(cfg)
-		require.ErrorIs(t, err, ErrInvalidConfig, "%+v", cfg)
+		_, err := webhook.New(cfg)
+		require.ErrorIs(t, err, outbox.ErrInvalidConfig, "%+v", cfg)
 	}
 }

@@ -1,4 +1,5 @@
-package outbox
+// Package webhook delivers outbox messages as signed HTTP POST calls.
+package webhook
 
 import (
 	"bytes"
@@ -15,6 +16,7 @@ import (
 	"time"
 
 	"github.com/atomicphase/atomicphase/internal/fanout"
+	"github.com/atomicphase/atomicphase/outbox"
 )
 
 // Headers of a webhook call.
@@ -31,13 +33,13 @@ const (
 	HeaderWebhookTopic = "Webhook-Topic"
 )
 
-// WebhookConfig configures a WebhookPublisher.
-type WebhookConfig struct {
+// Config configures a Publisher.
+type Config struct {
 	// URL receives one POST per message. Required; http or https.
 	URL string
 
 	// Secret keys the HMAC-SHA256 signature of every call. Required: share
-	// it with the receiver, which checks calls with VerifyWebhookSignature.
+	// it with the receiver, which checks calls with VerifySignature.
 	Secret []byte
 
 	// Client sends the calls. Default: a client that does not follow
@@ -54,7 +56,7 @@ type WebhookConfig struct {
 	Concurrency int
 }
 
-// WebhookPublisher POSTs each message to a URL.
+// Publisher POSTs each message to a URL.
 //
 // The request body is the payload. The message's headers become request
 // headers, then the publisher sets Content-Type (application/octet-stream,
@@ -66,16 +68,16 @@ type WebhookConfig struct {
 // A 2xx answer is success. 408, 429 and 5xx answers, timeouts and network
 // errors are retried. Any other answer (4xx, or an unfollowed 3xx) is a
 // permanent failure: the relay dead-letters the message.
-type WebhookPublisher struct {
+type Publisher struct {
 	url    string
 	secret []byte
 	client *http.Client
-	cfg    WebhookConfig
+	cfg    Config
 	now    func() time.Time
 }
 
-// NewWebhookPublisher returns a publisher that calls cfg.URL.
-func NewWebhookPublisher(cfg WebhookConfig) (*WebhookPublisher, error) {
+// New returns a publisher that calls cfg.URL.
+func New(cfg Config) (*Publisher, error) {
 	u, err := url.Parse(cfg.URL)
 	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
 		return nil, fmt.Errorf("%w: webhook URL %q is not an absolute http(s) URL", ErrInvalidConfig, cfg.URL)
@@ -100,7 +102,7 @@ func NewWebhookPublisher(cfg WebhookConfig) (*WebhookPublisher, error) {
 	}
 	secret := bytes.Clone(cfg.Secret)
 	cfg.Secret = nil
-	return &WebhookPublisher{
+	return &Publisher{
 		url:    cfg.URL,
 		secret: secret,
 		client: client,
@@ -109,17 +111,17 @@ func NewWebhookPublisher(cfg WebhookConfig) (*WebhookPublisher, error) {
 	}, nil
 }
 
-// Publish implements Publisher.
-func (p *WebhookPublisher) Publish(ctx context.Context, msgs []Envelope) []error {
+// Publish implements outbox.Publisher.
+func (p *Publisher) Publish(ctx context.Context, msgs []outbox.Envelope) []error {
 	return fanout.Each(ctx, msgs, p.cfg.Concurrency, p.call)
 }
 
-func (p *WebhookPublisher) call(ctx context.Context, e *Envelope) error {
+func (p *Publisher) call(ctx context.Context, e *outbox.Envelope) error {
 	ctx, cancel := context.WithTimeout(ctx, p.cfg.Timeout)
 	defer cancel()
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, p.url, bytes.NewReader(e.Payload))
 	if err != nil {
-		return Permanent(fmt.Errorf("webhook: %w", err))
+		return outbox.Permanent(fmt.Errorf("webhook: %w", err))
 	}
 	for k, v := range e.Headers {
 		req.Header.Set(k, v)
@@ -148,7 +150,7 @@ func (p *WebhookPublisher) call(ctx context.Context, e *Envelope) error {
 	case code == http.StatusRequestTimeout, code == http.StatusTooManyRequests, code >= 500:
 		return fmt.Errorf("webhook: %s: %s", resp.Status, strings.TrimSpace(string(snippet)))
 	default:
-		return Permanent(fmt.Errorf("webhook: %s: %s", resp.Status, strings.TrimSpace(string(snippet))))
+		return outbox.Permanent(fmt.Errorf("webhook: %s: %s", resp.Status, strings.TrimSpace(string(snippet))))
 	}
 }
 
@@ -160,7 +162,7 @@ func sign(secret []byte, timestamp string, body []byte) []byte {
 	return mac.Sum(nil)
 }
 
-// VerifyWebhookSignature checks a webhook call for a receiver: timestamp is
+// VerifySignature checks a webhook call for a receiver: timestamp is
 // the Webhook-Timestamp header, body the raw request body, and header the
 // Webhook-Signature header. It returns nil when header holds a "v1="
 // signature (several may be listed, separated by spaces or commas, as while
@@ -171,7 +173,7 @@ func sign(secret []byte, timestamp string, body []byte) []byte {
 // timestamp are unchanged. Receivers should also reject timestamps far from
 // their clock (say, more than five minutes) against replays, and deduplicate
 // on the Idempotency-Key header, which repeats when a message is redelivered.
-func VerifyWebhookSignature(secret []byte, timestamp string, body []byte, header string) error {
+func VerifySignature(secret []byte, timestamp string, body []byte, header string) error {
 	if len(secret) == 0 {
 		return fmt.Errorf("%w: empty secret", ErrInvalidSignature)
 	}
