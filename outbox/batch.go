@@ -1,0 +1,316 @@
+package outbox
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"strings"
+	"time"
+	"unicode/utf8"
+
+	"github.com/atomicphase/atomicphase/internal/db"
+)
+
+// outcome is what happened to one claimed message.
+type outcome struct {
+	attempted bool  // the publisher was asked to publish it
+	err       error // nil: published
+}
+
+// batch is what runBatch did.
+type batch struct {
+	published int
+	claimed   int
+	// nextDue, after a batch that claimed nothing, is when (from the start
+	// of the batch) the earliest message that was not due yet falls due;
+	// -1 when there is none or it is unknown.
+	nextDue time.Duration
+}
+
+// failure is a failed publish as record writes it and report logs it.
+type failure struct {
+	env   *Envelope
+	err   error
+	delay time.Duration
+	dead  bool
+}
+
+// runBatch claims, publishes and records one batch in one transaction.
+func (r *Relay) runBatch(ctx context.Context) (b batch, err error) {
+	b.nextDue = -1
+	if err := ctx.Err(); err != nil {
+		return b, err
+	}
+	start := time.Now()
+	// The database work is not cut short by ctx (a cancelled relay still
+	// records what it published), only by PublishTimeout.
+	txCtx, cancel := context.WithDeadline(context.WithoutCancel(ctx), start.Add(r.cfg.PublishTimeout))
+	defer cancel()
+	tx, err := r.pool.Begin(txCtx)
+	if err != nil {
+		return b, fmt.Errorf("outbox: relay: begin: %w", err)
+	}
+	defer func() {
+		rctx, rcancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer rcancel()
+		_ = tx.Rollback(rctx) // no-op after Commit
+	}()
+	q := db.New(tx)
+
+	envs, outcomes, nextDue, err := r.claim(txCtx, q)
+	if err != nil || len(envs) == 0 {
+		b.nextDue = nextDue
+		return b, err
+	}
+	b.claimed = len(envs)
+
+	pubCtx, pubCancel := context.WithDeadline(ctx, start.Add(r.cfg.PublishTimeout-r.cfg.PublishTimeout/4))
+	r.publish(pubCtx, envs, outcomes)
+	pubCancel()
+
+	// When the relay itself is stopping, failures are left as they were:
+	// they are most likely the cancellation, not the publisher's.
+	published, failures, err := r.record(txCtx, q, envs, outcomes, ctx.Err() != nil)
+	if err != nil {
+		return b, err
+	}
+	if err := tx.Commit(txCtx); err != nil {
+		return b, fmt.Errorf("outbox: relay: commit: %w", err)
+	}
+	r.report(published, failures)
+	b.published = published
+	return b, nil
+}
+
+// claim claims the next publishable messages in q's transaction and returns
+// them as envelopes, with an outcome slot for each (a message that can never
+// be published is failed here already). When nothing is due, it returns no
+// envelopes and how long until the earliest message falls due (-1: none).
+func (r *Relay) claim(ctx context.Context, q *db.Queries) ([]Envelope, []outcome, time.Duration, error) {
+	rows, err := q.ClaimMessages(ctx, int32(r.cfg.BatchSize))
+	if err != nil {
+		return nil, nil, -1, fmt.Errorf("outbox: relay: claim: %w", err)
+	}
+	if len(rows) == 0 {
+		// In the claim's transaction, now() is the time the claim judged
+		// due messages by: every message that falls due after it counts,
+		// including one that falls due while this runs.
+		due, err := q.NextDueIn(ctx)
+		if err == nil && due >= 0 {
+			return nil, nil, seconds(due), nil
+		}
+		return nil, nil, -1, nil
+	}
+	envs := make([]Envelope, len(rows))
+	outcomes := make([]outcome, len(rows))
+	for i, row := range rows {
+		envs[i] = Envelope{
+			ID:          row.ID,
+			Topic:       row.Topic,
+			OrderingKey: row.OrderingKey.String,
+			Payload:     row.Payload,
+			Attempt:     int(row.Attempts) + 1,
+			CreatedAt:   row.CreatedAt,
+		}
+		if string(row.Headers) != "{}" {
+			if err := json.Unmarshal(row.Headers, &envs[i].Headers); err != nil {
+				// Only a row written around Enqueue can get here; it can
+				// never be published.
+				outcomes[i] = outcome{attempted: true, err: Permanent(fmt.Errorf("headers are not an object of strings: %w", err))}
+			}
+		}
+	}
+	return envs, outcomes, -1, nil
+}
+
+// record writes the outcomes in q's transaction: acknowledged messages are
+// marked published, failed ones scheduled for a retry or dead-lettered.
+// Messages never attempted are left as they were, and so are failures when
+// keepFailures is set. It returns how many were published and the failures.
+func (r *Relay) record(ctx context.Context, q *db.Queries, envs []Envelope, outcomes []outcome, keepFailures bool) (int, []failure, error) {
+	var ok []int64
+	var fail db.RecordFailuresParams
+	var failures []failure
+	for i := range envs {
+		o := outcomes[i]
+		switch {
+		case !o.attempted:
+		case o.err == nil:
+			ok = append(ok, envs[i].ID)
+		case keepFailures:
+		default:
+			dead := errors.Is(o.err, ErrPermanent) || envs[i].Attempt >= r.cfg.MaxAttempts
+			var delay time.Duration
+			if !dead {
+				delay = r.backoff(envs[i].Attempt)
+			}
+			fail.Ids = append(fail.Ids, envs[i].ID)
+			fail.Errors = append(fail.Errors, errorText(o.err))
+			fail.DelaysUs = append(fail.DelaysUs, delay.Microseconds())
+			fail.Dead = append(fail.Dead, dead)
+			failures = append(failures, failure{&envs[i], o.err, delay, dead})
+		}
+	}
+	if len(ok) > 0 {
+		if err := q.MarkPublished(ctx, ok); err != nil {
+			return 0, nil, fmt.Errorf("outbox: relay: mark published: %w", err)
+		}
+	}
+	if len(fail.Ids) > 0 {
+		if err := q.RecordFailures(ctx, fail); err != nil {
+			return 0, nil, fmt.Errorf("outbox: relay: record failures: %w", err)
+		}
+	}
+	return len(ok), failures, nil
+}
+
+// report counts and logs a committed batch's results.
+func (r *Relay) report(published int, failures []failure) {
+	r.published.Add(uint64(published))
+	for _, f := range failures {
+		attrs := []any{
+			"message_id", f.env.ID, "topic", f.env.Topic, "attempt", f.env.Attempt, "error", f.err,
+		}
+		if f.env.OrderingKey != "" {
+			attrs = append(attrs, "ordering_key", f.env.OrderingKey)
+		}
+		if f.dead {
+			r.dead.Add(1)
+			r.log.Error("outbox: message dead-lettered", attrs...)
+		} else {
+			r.retried.Add(1)
+			r.log.Warn("outbox: publish failed; will retry", append(attrs, "retry_in", f.delay)...)
+		}
+	}
+}
+
+// publish publishes envs in waves: wave n holds the n-th claimed message of
+// every ordering key (unordered messages all go in the first wave), so no
+// two messages of one call share a key, and a key's message is published
+// only after its predecessor was acknowledged. A key whose message fails is
+// left out of the later waves: its remaining messages stay pending, held
+// back behind the failed one. Messages already failed (outcomes set) are
+// treated the same way.
+func (r *Relay) publish(ctx context.Context, envs []Envelope, outcomes []outcome) {
+	var waves [][]int
+	next := make(map[string]int)
+	for i := range envs {
+		w := 0
+		if k := envs[i].OrderingKey; k != "" {
+			w = next[k]
+			next[k] = w + 1
+		}
+		if w == len(waves) {
+			waves = append(waves, nil)
+		}
+		waves[w] = append(waves[w], i)
+	}
+	stopped := make(map[string]bool)
+	for _, wave := range waves {
+		if ctx.Err() != nil {
+			return
+		}
+		var idx []int
+		var batch []Envelope
+		for _, i := range wave {
+			k := envs[i].OrderingKey
+			if k != "" && stopped[k] {
+				continue
+			}
+			if outcomes[i].attempted { // failed before publishing
+				if k != "" {
+					stopped[k] = true
+				}
+				continue
+			}
+			idx = append(idx, i)
+			batch = append(batch, envs[i])
+		}
+		if len(batch) == 0 {
+			continue
+		}
+		errs := r.callPublisher(ctx, batch)
+		for j, i := range idx {
+			outcomes[i] = outcome{attempted: true, err: errs[j]}
+			if errs[j] != nil && envs[i].OrderingKey != "" {
+				stopped[envs[i].OrderingKey] = true
+			}
+		}
+	}
+}
+
+// callPublisher runs the publisher on its own goroutine so that the relay
+// stops waiting at ctx's deadline even if the publisher does not, keeping
+// the transaction's bound. It turns a panic into errors.
+func (r *Relay) callPublisher(ctx context.Context, batch []Envelope) []error {
+	ch := make(chan []error, 1)
+	go func() {
+		defer func() {
+			if p := recover(); p != nil {
+				ch <- fill(len(batch), fmt.Errorf("outbox: publisher panicked: %v", p))
+			}
+		}()
+		ch <- r.pub.Publish(ctx, batch)
+	}()
+	var errs []error
+	select {
+	case errs = <-ch:
+	case <-ctx.Done():
+		select {
+		case errs = <-ch: // finished just now: keep its results
+		default:
+			return fill(len(batch), fmt.Errorf("outbox: publish: %w", ctx.Err()))
+		}
+	}
+	switch len(errs) {
+	case len(batch):
+		return errs
+	case 0:
+		if errs == nil {
+			return make([]error, len(batch))
+		}
+	}
+	return fill(len(batch), fmt.Errorf("outbox: publisher returned %d results for %d messages", len(errs), len(batch)))
+}
+
+func fill(n int, err error) []error {
+	errs := make([]error, n)
+	for i := range errs {
+		errs[i] = err
+	}
+	return errs
+}
+
+// backoff returns the wait before the attempt after the given failed one:
+// RetryBaseDelay doubled per earlier failure, capped at RetryMaxDelay, with
+// equal jitter (uniform in the upper half), so that waits never shrink from
+// one attempt to the next.
+func (r *Relay) backoff(attempt int) time.Duration {
+	d := r.cfg.RetryMaxDelay
+	if shift := attempt - 1; shift < 62 {
+		if b := r.cfg.RetryBaseDelay << shift; b > 0 && b>>shift == r.cfg.RetryBaseDelay && b < d {
+			d = b
+		}
+	}
+	half := d / 2
+	return half + rand.N(d-half+1)
+}
+
+// errorText makes err storable as last_error: valid UTF-8, no NUL, bounded.
+func errorText(err error) string {
+	s := strings.ReplaceAll(strings.ToValidUTF8(err.Error(), "\uFFFD"), "\x00", "")
+	if len(s) > maxErrorBytes {
+		cut := maxErrorBytes
+		for cut > 0 && !utf8.RuneStart(s[cut]) {
+			cut--
+		}
+		s = s[:cut]
+	}
+	return s
+}
+
+func seconds(s float64) time.Duration {
+	return time.Duration(s * float64(time.Second))
+}

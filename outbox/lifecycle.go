@@ -1,0 +1,142 @@
+package outbox
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"time"
+
+	"github.com/atomicphase/atomicphase/internal/pgerr"
+)
+
+// RunOnce claims one batch of publishable messages, publishes it, records
+// the outcome and commits, and returns how many messages it published.
+// It returns 0 and no error when nothing is due.
+//
+// Cancelling ctx stops publishing: messages already acknowledged are still
+// marked published (the database work runs to completion, bounded by
+// PublishTimeout), and the others are left as they were, without counting
+// an attempt. If ctx is done already, RunOnce returns its error at once.
+func (r *Relay) RunOnce(ctx context.Context) (int, error) {
+	b, err := r.runBatch(ctx)
+	return b.published, err
+}
+
+// Start runs the relay in the background until ctx is done or Stop is
+// called: it relays batches back to back while there is work, then waits for
+// a notification, the earliest retry falling due, or PollInterval. It
+// returns ErrRelayRunning if the relay is already running.
+func (r *Relay) Start(ctx context.Context) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.done != nil {
+		select {
+		case <-r.done:
+		default:
+			return ErrRelayRunning
+		}
+	}
+	runCtx, cancel := context.WithCancel(ctx)
+	done := make(chan struct{})
+	var wg sync.WaitGroup
+	if !r.cfg.DisableNotify {
+		wg.Go(func() { r.listen(runCtx) })
+	}
+	wg.Go(func() { r.loop(runCtx) })
+	go func() {
+		wg.Wait()
+		close(done)
+	}()
+	r.cancel, r.done = cancel, done
+	r.log.Info("outbox: relay started",
+		"batch_size", r.cfg.BatchSize,
+		"poll_interval", r.cfg.PollInterval,
+		"notify", !r.cfg.DisableNotify)
+	return nil
+}
+
+// Stop stops a relay started with Start and waits for it: a batch in flight
+// stops publishing, records what was acknowledged and commits. Stop is safe
+// to call more than once, and on a relay that was never started.
+func (r *Relay) Stop() {
+	r.mu.Lock()
+	cancel, done := r.cancel, r.done
+	r.mu.Unlock()
+	if cancel == nil {
+		return
+	}
+	cancel()
+	<-done
+}
+
+// loop is the background service. A full batch is followed at once by the
+// next one, any other non-empty batch after wakeCooldown; after an empty one
+// the relay waits for a wake-up (a notification, or the listener's start),
+// the next retry or delayed message falling due, or PollInterval. Wake-ups are taken at most once per wakeCooldown, so that a
+// stream of committing transactions, each notifying every relay, costs each
+// relay a bounded number of claims rather than one per commit.
+func (r *Relay) loop(ctx context.Context) {
+	timer := time.NewTimer(time.Hour)
+	defer timer.Stop()
+	defer r.log.Info("outbox: relay stopped")
+	errWait := loopErrorMin
+	for {
+		started := time.Now()
+		b, err := r.runBatch(ctx)
+		if ctx.Err() != nil {
+			return
+		}
+		var wait time.Duration
+		switch {
+		case err != nil:
+			r.logBatchError(err)
+			wait, errWait = errWait, min(2*errWait, loopErrorMax)
+		case b.claimed >= r.cfg.BatchSize:
+			errWait = loopErrorMin
+			continue // a backlog: keep going
+		case b.claimed > 0:
+			// Look again shortly: the batch may have released held-back
+			// messages, and a short retry may already be due.
+			errWait = loopErrorMin
+			wait = wakeCooldown
+		default:
+			errWait = loopErrorMin
+			wait = r.cfg.PollInterval
+			if b.nextDue >= 0 {
+				// A millisecond late, so the database clock has passed it.
+				wait = min(wait, max(b.nextDue-time.Since(started), 0)+time.Millisecond)
+			}
+		}
+		if r.testHookIdle != nil {
+			r.testHookIdle()
+		}
+		timer.Reset(wait)
+		select {
+		case <-ctx.Done():
+			return
+		case <-timer.C:
+			continue
+		case <-r.wake:
+		}
+		if rest := wakeCooldown - time.Since(started); rest > 0 {
+			timer.Reset(rest)
+			select {
+			case <-ctx.Done():
+				return
+			case <-timer.C:
+			}
+		}
+	}
+}
+
+func (r *Relay) logBatchError(err error) {
+	switch {
+	case errors.Is(err, context.Canceled):
+	case pgerr.IsUndefinedTable(err):
+		r.log.Error("outbox: relay: outbox table missing; apply the migrations", "error", err)
+	case pgerr.IsConnection(err):
+		r.log.Warn("outbox: relay: database unavailable", "error", err)
+	default:
+		r.log.Error("outbox: relay: batch failed", "error", err)
+	}
+}

@@ -1,0 +1,86 @@
+package outbox
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"github.com/atomicphase/atomicphase/internal/pgtest"
+)
+
+// With an hour between polls, a relay that has gone idle publishes a newly
+// committed message promptly: only the notification can have woken it.
+func TestRelayNotifyWakesIdleRelay(t *testing.T) {
+	t.Parallel()
+	d := pgtest.New(t)
+	rec := &recorder{}
+	published := make(chan struct{}, 10)
+	r := newTestRelay(t, d.Pool, PublisherFunc(func(ctx context.Context, e Envelope) error {
+		published <- struct{}{}
+		return rec.publish(ctx, e)
+	}), Config{PollInterval: time.Hour})
+	idle := idleSignal(r)
+	start(t, r)
+	waitIdle(t, idle, true)
+
+	enqueue(t, d.Pool, Message{Topic: "t", Payload: []byte("wake up")})
+	select {
+	case <-published:
+	case <-time.After(20 * time.Second):
+		t.Fatal("message not published: the notification did not wake the relay")
+	}
+	require.Equal(t, []string{"wake up"}, rec.payloads())
+}
+
+// With notifications disabled (as behind a transaction-pooling PgBouncer),
+// polling delivers a message committed while the relay was idle.
+func TestRelayPollsWithoutNotify(t *testing.T) {
+	t.Parallel()
+	d := pgtest.New(t)
+	rec := &recorder{}
+	r := newTestRelay(t, d.Pool, PublisherFunc(rec.publish), Config{DisableNotify: true, PollInterval: 20 * time.Millisecond})
+	idle := idleSignal(r)
+	start(t, r)
+	waitIdle(t, idle, false)
+	require.False(t, r.listening.Load())
+
+	enqueue(t, d.Pool, Message{Topic: "t", Payload: []byte("polled")})
+	eventually(t, func() bool { return len(rec.published()) == 1 })
+}
+
+// When the listening connection dies, the relay reconnects and notifications
+// wake it again.
+func TestRelayListenerReconnects(t *testing.T) {
+	t.Parallel()
+	d := pgtest.New(t)
+	app := "relay_" + uniqueName()
+	pool := d.NewPool(t, func(c *pgxpool.Config) { c.ConnConfig.RuntimeParams["application_name"] = app })
+	rec := &recorder{}
+	r := newTestRelay(t, pool, PublisherFunc(rec.publish), Config{PollInterval: time.Hour})
+	idle := idleSignal(r)
+	start(t, r)
+	waitIdle(t, idle, true)
+
+	listenerPID := func() int {
+		var pid int
+		err := d.Pool.QueryRow(context.Background(), `SELECT coalesce(max(pid), 0) FROM pg_stat_activity
+			WHERE application_name = $1 AND query LIKE 'LISTEN %'`, app).Scan(&pid)
+		require.NoError(t, err)
+		return pid
+	}
+	old := listenerPID()
+	require.NotZero(t, old)
+	_, err := d.Pool.Exec(context.Background(), "SELECT pg_terminate_backend($1)", old)
+	require.NoError(t, err)
+	eventually(t, func() bool { p := listenerPID(); return p != 0 && p != old })
+	for len(idle) > 0 { // forget idle reports from before the reconnection
+		<-idle
+	}
+	waitIdle(t, idle, true)
+
+	enqueue(t, d.Pool, Message{Topic: "t", Payload: []byte("after reconnect")})
+	eventually(t, func() bool { return len(rec.published()) == 1 })
+}
