@@ -19,8 +19,9 @@ func TestRelayNotifyWakesIdleRelay(t *testing.T) {
 	rec := &recorder{}
 	published := make(chan struct{}, 10)
 	r := newTestRelay(t, d.Pool, PublisherFunc(func(ctx context.Context, e Envelope) error {
-		published <- struct{}{}
-		return rec.publish(ctx, e)
+		err := rec.publish(ctx, e)
+		published <- struct{}{} // after recording, so the test sees what it waited for
+		return err
 	}), Config{PollInterval: time.Hour})
 	idle := idleSignal(r)
 	start(t, r)
