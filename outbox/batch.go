@@ -66,13 +66,14 @@ func (r *Relay) runBatch(ctx context.Context) (b batch, err error) {
 	}
 	b.claimed = len(envs)
 
-	pubCtx, pubCancel := context.WithDeadline(ctx, start.Add(r.cfg.PublishTimeout-r.cfg.PublishTimeout/4))
-	r.publish(pubCtx, envs, outcomes)
+	// Stopping the relay (ctx) stops the batch from sending further
+	// messages; those in flight keep until the publish deadline to be
+	// acknowledged, so that a graceful stop publishes nothing twice.
+	pubCtx, pubCancel := context.WithDeadline(context.WithoutCancel(ctx), start.Add(r.publishDeadline()))
+	r.publish(pubCtx, ctx.Done(), envs, outcomes)
 	pubCancel()
 
-	// When the relay itself is stopping, failures are left as they were:
-	// they are most likely the cancellation, not the publisher's.
-	published, failures, err := r.record(txCtx, q, envs, outcomes, ctx.Err() != nil)
+	published, failures, err := r.record(txCtx, q, envs, outcomes)
 	if err != nil {
 		return b, err
 	}
@@ -127,9 +128,9 @@ func (r *Relay) claim(ctx context.Context, q *db.Queries) ([]Envelope, []outcome
 
 // record writes the outcomes in q's transaction: acknowledged messages are
 // marked published, failed ones scheduled for a retry or dead-lettered.
-// Messages never attempted are left as they were, and so are failures when
-// keepFailures is set. It returns how many were published and the failures.
-func (r *Relay) record(ctx context.Context, q *db.Queries, envs []Envelope, outcomes []outcome, keepFailures bool) (int, []failure, error) {
+// Messages never attempted are left as they were. It returns how many were
+// published and the failures.
+func (r *Relay) record(ctx context.Context, q *db.Queries, envs []Envelope, outcomes []outcome) (int, []failure, error) {
 	var ok []int64
 	var fail db.RecordFailuresParams
 	var failures []failure
@@ -139,7 +140,6 @@ func (r *Relay) record(ctx context.Context, q *db.Queries, envs []Envelope, outc
 		case !o.attempted:
 		case o.err == nil:
 			ok = append(ok, envs[i].ID)
-		case keepFailures:
 		default:
 			dead := errors.Is(o.err, ErrPermanent) || envs[i].Attempt >= r.cfg.MaxAttempts
 			var delay time.Duration
@@ -189,11 +189,15 @@ func (r *Relay) report(published int, failures []failure) {
 // publish publishes envs in waves: wave n holds the n-th claimed message of
 // every ordering key (unordered messages all go in the first wave), so no
 // two messages of one call share a key, and a key's message is published
-// only after its predecessor was acknowledged. A key whose message fails is
-// left out of the later waves: its remaining messages stay pending, held
-// back behind the failed one. Messages already failed (outcomes set) are
+// only after its predecessor was acknowledged. A key whose message fails, or
+// is not sent, is left out of the later waves: its remaining messages stay
+// pending, held back behind it. Messages already failed (outcomes set) are
 // treated the same way.
-func (r *Relay) publish(ctx context.Context, envs []Envelope, outcomes []outcome) {
+//
+// ctx carries the publish deadline; stopping is closed when the relay
+// stops, after which no further wave starts and the publisher sends no
+// further message, while the messages in flight finish.
+func (r *Relay) publish(ctx context.Context, stopping <-chan struct{}, envs []Envelope, outcomes []outcome) {
 	var waves [][]int
 	next := make(map[string]int)
 	for i := range envs {
@@ -209,7 +213,7 @@ func (r *Relay) publish(ctx context.Context, envs []Envelope, outcomes []outcome
 	}
 	stopped := make(map[string]bool)
 	for _, wave := range waves {
-		if ctx.Err() != nil {
+		if ctx.Err() != nil || isClosed(stopping) {
 			return
 		}
 		var idx []int
@@ -231,56 +235,91 @@ func (r *Relay) publish(ctx context.Context, envs []Envelope, outcomes []outcome
 		if len(batch) == 0 {
 			continue
 		}
-		errs := r.callPublisher(ctx, batch)
-		for j, i := range idx {
-			outcomes[i] = outcome{attempted: true, err: errs[j]}
-			if errs[j] != nil && envs[i].OrderingKey != "" {
+		returned := r.publishWave(ctx, stopping, batch, idx, outcomes)
+		for _, i := range idx {
+			if o := outcomes[i]; (!o.attempted || o.err != nil) && envs[i].OrderingKey != "" {
 				stopped[envs[i].OrderingKey] = true
 			}
 		}
+		if !returned {
+			return // the publisher is stuck past the deadline
+		}
 	}
 }
 
-// callPublisher runs the publisher on its own goroutine so that the relay
-// stops waiting at ctx's deadline even if the publisher does not, keeping
-// the transaction's bound. It turns a panic into errors.
-func (r *Relay) callPublisher(ctx context.Context, batch []Envelope) []error {
-	ch := make(chan []error, 1)
+// publishWave hands one wave to the publisher and sets the outcomes of its
+// messages (batch[j] is envs[idx[j]]). It runs the publisher on its own
+// goroutine and waits until Publish returns, or until publishGrace after
+// ctx's deadline, so that a publisher that ignores ctx cannot hold the claim
+// transaction open past its bound; it reports whether Publish returned.
+//
+// Every outcome set before the relay stopped waiting counts, whatever
+// happens to the other messages. A message the publisher reported as
+// ErrNotSent because ctx ended or the relay is stopping stays unattempted.
+// A message without an outcome counts as a failed attempt: the publisher
+// may have sent it.
+func (r *Relay) publishWave(ctx context.Context, stopping <-chan struct{}, batch []Envelope, idx []int, outcomes []outcome) (returned bool) {
+	res := newResults(len(batch), stopping)
+	done := make(chan any, 1)
 	go func() {
-		defer func() {
-			if p := recover(); p != nil {
-				ch <- fill(len(batch), fmt.Errorf("outbox: publisher panicked: %v", p))
-			}
-		}()
-		ch <- r.pub.Publish(ctx, batch)
+		defer func() { done <- recover() }()
+		r.pub.Publish(ctx, batch, res)
 	}()
-	var errs []error
+	var panicked any
 	select {
-	case errs = <-ch:
+	case panicked = <-done:
+		returned = true
 	case <-ctx.Done():
+		grace := time.NewTimer(r.publishGrace())
 		select {
-		case errs = <-ch: // finished just now: keep its results
+		case panicked = <-done:
+			returned = true
+		case <-grace.C:
+		}
+		grace.Stop()
+	}
+	errs, reported := res.seal()
+	halted := ctx.Err() != nil || isClosed(stopping)
+	for j, i := range idx {
+		var err error
+		switch {
+		case reported[j] && errors.Is(errs[j], ErrNotSent) && halted:
+			continue // never sent: left as it was
+		case reported[j]:
+			err = errs[j]
+		case panicked != nil:
+			err = fmt.Errorf("outbox: publisher panicked: %v", panicked)
+		case !returned:
+			err = fmt.Errorf("outbox: publish: no acknowledgement before the publish deadline: %w", context.DeadlineExceeded)
 		default:
-			return fill(len(batch), fmt.Errorf("outbox: publish: %w", ctx.Err()))
+			err = errors.New("outbox: publisher returned without an outcome for the message")
 		}
+		outcomes[i] = outcome{attempted: true, err: err}
 	}
-	switch len(errs) {
-	case len(batch):
-		return errs
-	case 0:
-		if errs == nil {
-			return make([]error, len(batch))
-		}
-	}
-	return fill(len(batch), fmt.Errorf("outbox: publisher returned %d results for %d messages", len(errs), len(batch)))
+	return returned
 }
 
-func fill(n int, err error) []error {
-	errs := make([]error, n)
-	for i := range errs {
-		errs[i] = err
+// publishDeadline is how long after its start a batch may publish: three
+// quarters of PublishTimeout, the rest kept for recording and committing.
+func (r *Relay) publishDeadline() time.Duration {
+	return r.cfg.PublishTimeout - r.cfg.PublishTimeout/4
+}
+
+// publishGrace is how long the relay waits, after the publish deadline, for
+// the publisher to return with its last outcomes (a publisher that honours
+// ctx returns at once). It leaves at least an eighth of PublishTimeout to
+// record and commit.
+func (r *Relay) publishGrace() time.Duration {
+	return min(r.cfg.PublishTimeout/8, time.Second)
+}
+
+func isClosed(ch <-chan struct{}) bool {
+	select {
+	case <-ch:
+		return true
+	default:
+		return false
 	}
-	return errs
 }
 
 // backoff returns the wait before the attempt after the given failed one:

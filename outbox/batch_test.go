@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -176,55 +177,257 @@ func TestRelayPermanentErrorDeadLettersAtOnce(t *testing.T) {
 	require.Zero(t, drain(t, r))
 }
 
-// Cancelling a batch mid-publish (the relay stopping) keeps what was
-// acknowledged: it is marked published. The rest is left as it was, without
-// an attempt counted, for the next run.
-func TestRelayCancelMidBatchKeepsAcknowledged(t *testing.T) {
+// Cancelling RunOnce's context mid-wave (the relay stopping) sends no
+// further message, lets the one in flight finish, and keeps every
+// acknowledgement: first and second are marked published. The rest, unsent,
+// is left as it was, without an attempt counted, for the next run.
+func TestRelayCancelMidWaveKeepsAcknowledgedAndSendsNoMore(t *testing.T) {
 	t.Parallel()
 	d := pgtest.New(t)
 	enqueue(t, d.Pool,
-		Message{Topic: "t", OrderingKey: "k", Payload: []byte("first")},
-		Message{Topic: "t", OrderingKey: "k", Payload: []byte("second")},
-		Message{Topic: "t", OrderingKey: "k", Payload: []byte("third")})
+		Message{Topic: "t", Payload: []byte("first")},
+		Message{Topic: "t", Payload: []byte("second")},
+		Message{Topic: "t", Payload: []byte("third")},
+		Message{Topic: "t", OrderingKey: "k", Payload: []byte("k1")},
+		Message{Topic: "t", OrderingKey: "k", Payload: []byte("k2")})
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
+	rec := &recorder{}
 	r := newTestRelay(t, d.Pool, PublisherFunc(func(ctx context.Context, e Envelope) error {
 		if string(e.Payload) == "second" {
-			cancel()
-			<-ctx.Done()
-			return ctx.Err()
+			cancel() // the relay stops while second is in flight
 		}
-		return nil
+		return rec.publish(ctx, e)
 	}), Config{})
 	n, err := r.RunOnce(ctx)
 	require.NoError(t, err)
-	require.Equal(t, 1, n)
-	require.Equal(t, 1, d.Count(t, "SELECT count(*) FROM outbox_messages WHERE payload = 'first' AND published_at IS NOT NULL"))
-	require.Equal(t, 2, d.Count(t, "SELECT count(*) FROM outbox_messages WHERE published_at IS NULL AND attempts = 0 AND last_error IS NULL"))
+	require.Equal(t, 2, n)
+	require.Equal(t, []string{"first", "second"}, rec.payloads())
+	require.Equal(t, 2, d.Count(t, "SELECT count(*) FROM outbox_messages WHERE published_at IS NOT NULL AND attempts = 1"))
+	require.Equal(t, 3, d.Count(t, "SELECT count(*) FROM outbox_messages WHERE published_at IS NULL AND attempts = 0 AND last_error IS NULL"))
 }
 
-// A publisher that ignores its context cannot hold the claim transaction
-// open past PublishTimeout: the relay stops waiting, counts a failed
-// attempt and commits.
-func TestRelayPublishTimeoutBoundsHungPublisher(t *testing.T) {
+// Each message of a wave keeps its own outcome. One message's publish hangs
+// until the deadline, every time: it is dead-lettered after MaxAttempts, and
+// its key's next message waits behind it and goes out once it is dead. The
+// other messages, acknowledged while it hung, are marked published after one
+// attempt and delivered once; the next wave, not sent before the deadline,
+// waits for the next batch without an attempt counted. No message is
+// charged for the slow one.
+func TestRelaySlowMessageCostsOthersNothing(t *testing.T) {
 	t.Parallel()
 	d := pgtest.New(t)
-	enqueue(t, d.Pool, Message{Topic: "t", Payload: []byte("stuck")})
+	enqueue(t, d.Pool,
+		Message{Topic: "t", Payload: []byte("fast")},
+		Message{Topic: "t", OrderingKey: "s", Payload: []byte("slow")},
+		Message{Topic: "t", OrderingKey: "s", Payload: []byte("after-slow")},
+		Message{Topic: "t", OrderingKey: "b", Payload: []byte("b1")},
+		Message{Topic: "t", OrderingKey: "b", Payload: []byte("b2")})
+	pub := &concurrentPublisher{hang: map[string]bool{"slow": true}}
+	r := newTestRelay(t, d.Pool, pub, Config{MaxAttempts: 3, PublishTimeout: 400 * time.Millisecond})
+
+	n, err := r.RunOnce(context.Background())
+	require.NoError(t, err)
+	require.Equal(t, 2, n, "fast and b1, acknowledged while slow hung until the deadline")
+	require.Equal(t, 1, d.Count(t, "SELECT count(*) FROM outbox_messages WHERE payload = 'slow' AND attempts = 1 AND published_at IS NULL"))
+	// The wave ended at the deadline: b2, in the next wave, was not sent.
+	require.Equal(t, 2, d.Count(t, "SELECT count(*) FROM outbox_messages WHERE payload IN ('b2', 'after-slow') AND attempts = 0"))
+	eventually(t, func() bool {
+		_, err := r.RunOnce(context.Background())
+		require.NoError(t, err)
+		return d.Count(t, "SELECT count(*) FROM outbox_messages WHERE published_at IS NULL AND dead_at IS NULL") == 0
+	})
+	require.Equal(t, map[string]int{"fast": 1, "b1": 1, "b2": 1, "slow": 3, "after-slow": 1}, pub.sent())
+	require.Equal(t, 4, d.Count(t, "SELECT count(*) FROM outbox_messages WHERE published_at IS NOT NULL AND attempts = 1"))
+	require.Equal(t, 1, d.Count(t, `SELECT count(*) FROM outbox_messages WHERE payload = 'slow'
+		AND attempts = 3 AND dead_at IS NOT NULL AND last_error LIKE '%deadline exceeded%'`))
+}
+
+// concurrentPublisher publishes each message of a call on its own
+// goroutine, acknowledging at once, except the payloads in hang, which it
+// holds until ctx's deadline and then fails. It counts what it sent.
+type concurrentPublisher struct {
+	hang  map[string]bool
+	mu    sync.Mutex
+	count map[string]int
+}
+
+func (p *concurrentPublisher) Publish(ctx context.Context, msgs []Envelope, res *Results) {
+	var wg sync.WaitGroup
+	for i := range msgs {
+		wg.Go(func() {
+			payload := string(msgs[i].Payload)
+			p.mu.Lock()
+			if p.count == nil {
+				p.count = make(map[string]int)
+			}
+			p.count[payload]++
+			p.mu.Unlock()
+			if p.hang[payload] {
+				<-ctx.Done()
+				res.Set(i, ctx.Err())
+				return
+			}
+			res.Set(i, nil)
+		})
+	}
+	wg.Wait()
+}
+
+func (p *concurrentPublisher) sent() map[string]int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return maps.Clone(p.count)
+}
+
+// A PublisherFunc whose function ignores ctx and hangs costs the messages
+// after it nothing: at the deadline the hung message fails, and the ones not
+// yet sent are left as they were, without an attempt.
+func TestPublisherFuncHungCallCostsLaterMessagesNothing(t *testing.T) {
+	t.Parallel()
+	d := pgtest.New(t)
+	enqueue(t, d.Pool,
+		Message{Topic: "t", Payload: []byte("before")},
+		Message{Topic: "t", Payload: []byte("stuck")},
+		Message{Topic: "t", Payload: []byte("after")})
 	release := make(chan struct{})
 	var wg sync.WaitGroup
 	wg.Add(1)
 	t.Cleanup(func() { close(release); wg.Wait() })
-	r := newTestRelay(t, d.Pool, PublisherFunc(func(context.Context, Envelope) error {
-		defer wg.Done()
-		<-release // ignores ctx
-		return nil
-	}), Config{PublishTimeout: 2 * time.Second})
+	rec := &recorder{}
+	r := newTestRelay(t, d.Pool, PublisherFunc(func(ctx context.Context, e Envelope) error {
+		if string(e.Payload) == "stuck" {
+			defer wg.Done()
+			<-release // ignores ctx
+		}
+		return rec.publish(ctx, e)
+	}), Config{PublishTimeout: 400 * time.Millisecond})
 	n, err := r.RunOnce(context.Background())
 	require.NoError(t, err)
-	require.Zero(t, n)
-	require.Equal(t, 1, d.Count(t, `SELECT count(*) FROM outbox_messages
-		WHERE attempts = 1 AND published_at IS NULL AND last_error LIKE '%deadline exceeded%'`))
+	require.Equal(t, 1, n)
+	require.Equal(t, []string{"before"}, rec.payloads())
+	require.Equal(t, 1, d.Count(t, `SELECT count(*) FROM outbox_messages WHERE payload = 'stuck'
+		AND attempts = 1 AND published_at IS NULL AND last_error LIKE '%deadline exceeded%'`))
+	require.Equal(t, 1, d.Count(t, `SELECT count(*) FROM outbox_messages WHERE payload = 'after'
+		AND attempts = 0 AND published_at IS NULL AND last_error IS NULL`))
 }
+
+// Two relays drain 20,000 messages while one of them is stopped gracefully
+// three times, mid-wave, and restarted. Every message is delivered exactly
+// once: a stop sends no further message and records every acknowledgement,
+// so it adds no duplicate.
+func TestRelayGracefulStopsDuringDrainDeliverNothingTwice(t *testing.T) {
+	t.Parallel()
+	const total = 20000
+	d := pgtest.New(t)
+	_, err := d.Pool.Exec(context.Background(), `INSERT INTO outbox_messages (topic, ordering_key, payload)
+		SELECT 't', CASE WHEN i % 4 = 0 THEN 'key-' || (i % 97) END, convert_to(i::text, 'UTF8')
+		FROM generate_series(1, $1) AS i`, total)
+	require.NoError(t, err)
+
+	var mu sync.Mutex
+	deliveries := make(map[int64]int, total)
+	deliver := func(e Envelope) {
+		mu.Lock()
+		deliveries[e.ID]++
+		mu.Unlock()
+	}
+	stopping := &stoppingPublisher{deliver: deliver, trigger: make(chan struct{}), every: 2500}
+	other := newTestRelay(t, d.Pool, PublisherFunc(func(_ context.Context, e Envelope) error {
+		deliver(e)
+		return nil
+	}), Config{PollInterval: 10 * time.Millisecond})
+	start(t, other)
+	r := newTestRelay(t, d.Pool, stopping, Config{PollInterval: 10 * time.Millisecond})
+	require.NoError(t, r.Start(context.Background()))
+	for range 3 {
+		select {
+		case <-stopping.trigger:
+		case <-time.After(time.Minute):
+			t.Fatal("the stopping relay delivered too little")
+		}
+		r.Stop()
+		require.NoError(t, r.Start(context.Background()))
+	}
+	eventually(t, func() bool {
+		return d.Count(t, "SELECT count(*) FROM outbox_messages WHERE published_at IS NULL") == 0
+	})
+	r.Stop()
+	other.Stop()
+
+	mu.Lock()
+	defer mu.Unlock()
+	require.Len(t, deliveries, total)
+	duplicates := 0
+	for _, n := range deliveries {
+		duplicates += n - 1
+	}
+	require.Zero(t, duplicates, "duplicate deliveries")
+	require.Equal(t, 3, stopping.stops)
+	require.Equal(t, total, d.Count(t, "SELECT count(*) FROM outbox_messages WHERE attempts = 1"))
+}
+
+// stoppingPublisher delivers each message of a call in turn. Three times,
+// every 'every' deliveries, it asks the test to stop its relay (on trigger)
+// while messages of the call are left, and holds the message in flight
+// until the stop has begun.
+type stoppingPublisher struct {
+	deliver   func(Envelope)
+	trigger   chan struct{}
+	every     int
+	delivered int
+	stops     int
+}
+
+func (p *stoppingPublisher) Publish(_ context.Context, msgs []Envelope, res *Results) {
+	for i := range msgs {
+		select {
+		case <-res.Stopping():
+			res.Set(i, ErrNotSent)
+			continue
+		default:
+		}
+		p.deliver(msgs[i])
+		if p.delivered++; p.delivered >= (p.stops+1)*p.every && p.stops < 3 && i < len(msgs)-1 {
+			p.stops++
+			p.trigger <- struct{}{}
+			<-res.Stopping()
+		}
+		res.Set(i, nil)
+	}
+}
+
+// A publisher that ignores its context and never returns cannot hold the
+// claim transaction open past PublishTimeout: the relay stops waiting,
+// keeps the acknowledgement that came before, counts a failed attempt for
+// the message without an outcome, and commits.
+func TestRelayPublishTimeoutBoundsHungPublisher(t *testing.T) {
+	t.Parallel()
+	d := pgtest.New(t)
+	enqueue(t, d.Pool, Message{Topic: "t", Payload: []byte("done")}, Message{Topic: "t", Payload: []byte("stuck")})
+	release := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Add(1)
+	t.Cleanup(func() { close(release); wg.Wait() })
+	r := newTestRelay(t, d.Pool, hungPublisher(func(_ context.Context, msgs []Envelope, res *Results) {
+		defer wg.Done()
+		res.Set(0, nil)
+		<-release // ignores ctx
+	}), Config{PublishTimeout: 2 * time.Second})
+	began := time.Now()
+	n, err := r.RunOnce(context.Background())
+	require.NoError(t, err)
+	require.Less(t, time.Since(began), 2*time.Second)
+	require.Equal(t, 1, n)
+	require.Equal(t, 1, d.Count(t, `SELECT count(*) FROM outbox_messages
+		WHERE payload = 'done' AND attempts = 1 AND published_at IS NOT NULL`))
+	require.Equal(t, 1, d.Count(t, `SELECT count(*) FROM outbox_messages
+		WHERE payload = 'stuck' AND attempts = 1 AND published_at IS NULL AND last_error LIKE '%deadline exceeded%'`))
+}
+
+type hungPublisher func(ctx context.Context, msgs []Envelope, res *Results)
+
+func (f hungPublisher) Publish(ctx context.Context, msgs []Envelope, res *Results) { f(ctx, msgs, res) }
 
 // A panicking publisher fails its messages instead of the relay.
 func TestRelayPublisherPanicIsAFailure(t *testing.T) {

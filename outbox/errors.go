@@ -34,6 +34,12 @@ var (
 	// ErrRelayRunning: Start was called on a relay that is already running.
 	ErrRelayRunning = errors.New("outbox: relay already running")
 
+	// ErrNotSent is the outcome a Publisher reports for a message it did not
+	// send because the publish deadline passed or the relay is stopping. The
+	// relay leaves such a message as it was, without counting an attempt;
+	// reported at any other time, it counts as a failed attempt.
+	ErrNotSent = errors.New("outbox: message not sent")
+
 	// ErrPermanent marks a publish failure that retrying cannot fix (the
 	// receiver rejected the message). The relay dead-letters such a message
 	// at once instead of retrying it. Wrap an error with [Permanent].

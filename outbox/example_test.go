@@ -45,9 +45,11 @@ func ExamplePublisherFunc() {
 		fmt.Printf("message %d on %s, attempt %d\n", msg.ID, msg.Topic, msg.Attempt)
 		return nil
 	})
-	errs := pub.Publish(context.Background(), []outbox.Envelope{{ID: 7, Topic: "orders.created", Attempt: 1}})
-	fmt.Println(errs)
+	// A relay calls Publish itself; outside one, Results collects the outcomes.
+	res := outbox.NewResults(1)
+	pub.Publish(context.Background(), []outbox.Envelope{{ID: 7, Topic: "orders.created", Attempt: 1}}, res)
+	fmt.Println(res.Reported(0), res.Err(0))
 	// Output:
 	// message 7 on orders.created, attempt 1
-	// [<nil>]
+	// true <nil>
 }

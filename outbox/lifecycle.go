@@ -13,10 +13,12 @@ import (
 // the outcome and commits, and returns how many messages it published.
 // It returns 0 and no error when nothing is due.
 //
-// Cancelling ctx stops publishing: messages already acknowledged are still
-// marked published (the database work runs to completion, bounded by
-// PublishTimeout), and the others are left as they were, without counting
-// an attempt. If ctx is done already, RunOnce returns its error at once.
+// Cancelling ctx stops the batch gracefully: no further message is sent,
+// the messages in flight keep until the publish deadline to be
+// acknowledged, every acknowledgement is recorded, and the messages not
+// sent are left as they were, without counting an attempt. The database
+// work runs to completion, bounded by PublishTimeout. If ctx is done
+// already, RunOnce returns its error at once.
 func (r *Relay) RunOnce(ctx context.Context) (int, error) {
 	b, err := r.runBatch(ctx)
 	return b.published, err
@@ -55,8 +57,10 @@ func (r *Relay) Start(ctx context.Context) error {
 	return nil
 }
 
-// Stop stops a relay started with Start and waits for it: a batch in flight
-// stops publishing, records what was acknowledged and commits. Stop is safe
+// Stop stops a relay started with Start and waits for it, at most about
+// PublishTimeout: a batch in flight sends no further message, waits for the
+// acknowledgements of those in flight (until its publish deadline), records
+// them and commits, so a graceful stop publishes nothing twice. Stop is safe
 // to call more than once, and on a relay that was never started.
 func (r *Relay) Stop() {
 	r.mu.Lock()

@@ -33,9 +33,12 @@ type Config struct {
 
 	// PublishTimeout is the longest a claim transaction stays open, and so
 	// the longest a batch's rows stay locked. Publishing gets three quarters
-	// of it; the rest is kept for recording the results and committing.
-	// Messages still unacknowledged at the publishing deadline count as
-	// failed attempts. Default: 10 seconds.
+	// of it (the publish deadline); the rest is kept for recording the
+	// results and committing. Each message keeps its own outcome: those
+	// acknowledged by the deadline are marked published, those still
+	// unacknowledged count as failed attempts, and those not yet sent are
+	// left for the next batch without an attempt counted. Default: 10
+	// seconds.
 	PublishTimeout time.Duration
 
 	// MaxAttempts is how many times a message is tried before it is

@@ -201,3 +201,17 @@ func Eventually(t *testing.T, cond func() bool) {
 		time.Sleep(2 * time.Millisecond)
 	}
 }
+
+// Publish calls pub outside a relay and returns each message's outcome;
+// a message without one fails the test.
+func Publish(t *testing.T, pub outbox.Publisher, msgs ...outbox.Envelope) []error {
+	t.Helper()
+	res := outbox.NewResults(len(msgs))
+	pub.Publish(context.Background(), msgs, res)
+	errs := make([]error, len(msgs))
+	for i := range msgs {
+		require.True(t, res.Reported(i), "message %d has no outcome", i)
+		errs[i] = res.Err(i)
+	}
+	return errs
+}

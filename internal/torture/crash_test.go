@@ -72,15 +72,14 @@ func (c *crashTracer) TraceQueryEnd(ctx context.Context, _ *pgx.Conn, data pgx.T
 // killingPublisher publishes for real, then dies before the relay marks the row.
 type killingPublisher struct{ next outbox.Publisher }
 
-func (k killingPublisher) Publish(ctx context.Context, msgs []outbox.Envelope) []error {
-	errs := k.next.Publish(ctx, msgs)
-	for _, err := range errs {
-		if err != nil {
-			return errs
+func (k killingPublisher) Publish(ctx context.Context, msgs []outbox.Envelope, res *outbox.Results) {
+	k.next.Publish(ctx, msgs, res)
+	for i := range msgs {
+		if !res.Reported(i) || res.Err(i) != nil {
+			return
 		}
 	}
 	kill()
-	return nil
 }
 
 // TestCrashChild is the body of the crash-matrix child process; run

@@ -92,10 +92,12 @@ func (p *Publisher) MsgID(id int64) string {
 }
 
 // Publish implements outbox.Publisher: it publishes msgs concurrently (they
-// never share an ordering key) and returns when every one is acknowledged or
-// failed.
-func (p *Publisher) Publish(ctx context.Context, msgs []outbox.Envelope) []error {
-	return fanout.Each(ctx, msgs, p.cfg.MaxInFlight, p.publishOne)
+// never share an ordering key), at most MaxInFlight at a time, and reports
+// each acknowledgement as it arrives. Once ctx ends or the relay stops it
+// sends no further message; it returns when every message it sent is
+// acknowledged or failed.
+func (p *Publisher) Publish(ctx context.Context, msgs []outbox.Envelope, res *outbox.Results) {
+	fanout.Publish(ctx, msgs, res, p.cfg.MaxInFlight, p.publishOne)
 }
 
 func (p *Publisher) publishOne(ctx context.Context, e *outbox.Envelope) error {

@@ -23,15 +23,6 @@ import (
 
 func TestMain(m *testing.M) { pgtest.Main(m) }
 
-// fill returns n copies of err.
-func fill(n int, err error) []error {
-	errs := make([]error, n)
-	for i := range errs {
-		errs[i] = err
-	}
-	return errs
-}
-
 // The NATS publisher publishes to prefix+topic with the message's headers
 // and Nats-Msg-Id = id, waits for the acknowledgement, and a republish of
 // the same id is dropped by the stream (and still counts as success). Bad
@@ -40,19 +31,18 @@ func TestNATSPublisherMsgIDAndDedup(t *testing.T) {
 	t.Parallel()
 	js := outboxtest.Conn(t, outboxtest.NATSURL(t))
 	ts := outboxtest.NewStream(t, js, 2*time.Minute)
-	ctx := context.Background()
 
 	pub, err := natspub.New(js, &natspub.Config{SubjectPrefix: ts.Prefix})
 	require.NoError(t, err)
 	e := outbox.Envelope{ID: 42, Topic: "orders.created", Payload: []byte(`{"id":1}`), Headers: map[string]string{"X-Trace": "abc", "Nats-Msg-Id": "forged"}, Attempt: 1}
-	require.Equal(t, []error{nil}, pub.Publish(ctx, []outbox.Envelope{e}))
+	require.Equal(t, []error{nil}, outboxtest.Publish(t, pub, e))
 	e.Attempt = 2
-	require.Equal(t, []error{nil}, pub.Publish(ctx, []outbox.Envelope{e}), "a duplicate is a success")
+	require.Equal(t, []error{nil}, outboxtest.Publish(t, pub, e), "a duplicate is a success")
 
 	prefixed, err := natspub.New(js, &natspub.Config{SubjectPrefix: ts.Prefix, MsgIDPrefix: "billing-"})
 	require.NoError(t, err)
 	require.Equal(t, "billing-42", prefixed.MsgID(42))
-	require.Equal(t, []error{nil}, prefixed.Publish(ctx, []outbox.Envelope{e}), "another outbox's message 42")
+	require.Equal(t, []error{nil}, outboxtest.Publish(t, prefixed, e), "another outbox's message 42")
 
 	msgs := ts.Messages(t)
 	require.Len(t, msgs, 2)
@@ -62,17 +52,16 @@ func TestNATSPublisherMsgIDAndDedup(t *testing.T) {
 	require.Equal(t, "abc", msgs[0].Headers.Get("X-Trace"))
 	require.Equal(t, "billing-42", msgs[1].MsgID)
 
-	errs := pub.Publish(ctx, []outbox.Envelope{
-		{ID: 1, Topic: "has space"},
-		{ID: 2, Topic: "wild.*"},
-		{ID: 3, Topic: "trailing."},
-	})
+	errs := outboxtest.Publish(t, pub,
+		outbox.Envelope{ID: 1, Topic: "has space"},
+		outbox.Envelope{ID: 2, Topic: "wild.*"},
+		outbox.Envelope{ID: 3, Topic: "trailing."})
 	for _, err := range errs {
 		require.ErrorIs(t, err, outbox.ErrPermanent)
 	}
 	noStream, err := natspub.New(js, &natspub.Config{SubjectPrefix: "nostream" + outboxtest.UniqueName() + "."})
 	require.NoError(t, err)
-	err = noStream.Publish(ctx, []outbox.Envelope{{ID: 1, Topic: "t"}})[0]
+	err = outboxtest.Publish(t, noStream, outbox.Envelope{ID: 1, Topic: "t"})[0]
 	require.Error(t, err)
 	require.NotErrorIs(t, err, outbox.ErrPermanent)
 
@@ -135,16 +124,13 @@ func TestRelayCrashAfterAckBeforeMark(t *testing.T) {
 
 		app := "crashing_" + outboxtest.UniqueName()
 		crashPool := d.NewPool(t, func(c *pgxpool.Config) { c.ConnConfig.RuntimeParams["application_name"] = app })
-		crashing := publisherFunc(func(ctx context.Context, msgs []outbox.Envelope) []error {
-			errs := nats.Publish(ctx, msgs)
+		crashing := publisherFunc(func(ctx context.Context, msgs []outbox.Envelope, res *outbox.Results) {
+			nats.Publish(ctx, msgs, res)
 			// The process dies: its connection, and the claim transaction
 			// with it, are gone before anything is marked.
 			_, err := d.Pool.Exec(context.Background(),
 				"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1", app)
-			if err != nil {
-				return fill(len(msgs), err)
-			}
-			return errs
+			require.NoError(t, err)
 		})
 		r := outboxtest.NewRelay(t, crashPool, crashing, outbox.Config{})
 		_, err = r.RunOnce(context.Background())
@@ -171,12 +157,16 @@ func TestRelayCrashAfterAckBeforeMark(t *testing.T) {
 		nats, err := natspub.New(js, &natspub.Config{SubjectPrefix: ts.Prefix})
 		require.NoError(t, err)
 		var lost atomic.Bool
-		lossy := publisherFunc(func(ctx context.Context, msgs []outbox.Envelope) []error {
-			errs := nats.Publish(ctx, msgs)
-			if lost.CompareAndSwap(false, true) {
-				return fill(len(msgs), errors.New("ack lost"))
+		lossy := publisherFunc(func(ctx context.Context, msgs []outbox.Envelope, res *outbox.Results) {
+			if !lost.CompareAndSwap(false, true) {
+				nats.Publish(ctx, msgs, res)
+				return
 			}
-			return errs
+			// Published, but every acknowledgement is lost on the way back.
+			nats.Publish(ctx, msgs, outbox.NewResults(len(msgs)))
+			for i := range msgs {
+				res.Set(i, errors.New("ack lost"))
+			}
 		})
 		r := outboxtest.NewRelay(t, d.Pool, lossy, outbox.Config{RetryBaseDelay: time.Millisecond, RetryMaxDelay: time.Millisecond})
 		outboxtest.Eventually(t, func() bool {
@@ -201,10 +191,10 @@ func TestRelayCrashAfterAckBeforeMark(t *testing.T) {
 }
 
 // publisherFunc adapts a batch function to Publisher.
-type publisherFunc func(ctx context.Context, msgs []outbox.Envelope) []error
+type publisherFunc func(ctx context.Context, msgs []outbox.Envelope, res *outbox.Results)
 
-func (f publisherFunc) Publish(ctx context.Context, msgs []outbox.Envelope) []error {
-	return f(ctx, msgs)
+func (f publisherFunc) Publish(ctx context.Context, msgs []outbox.Envelope, res *outbox.Results) {
+	f(ctx, msgs, res)
 }
 
 // Four relays drain 10,000 messages on 100 ordering keys into JetStream

@@ -111,9 +111,12 @@ func New(cfg Config) (*Publisher, error) {
 	}, nil
 }
 
-// Publish implements outbox.Publisher.
-func (p *Publisher) Publish(ctx context.Context, msgs []outbox.Envelope) []error {
-	return fanout.Each(ctx, msgs, p.cfg.Concurrency, p.call)
+// Publish implements outbox.Publisher: it calls the URL for each message,
+// at most Concurrency calls at once, and reports each answer as it arrives.
+// Once ctx ends or the relay stops it starts no further call; it returns
+// when every call it started has been answered or has failed.
+func (p *Publisher) Publish(ctx context.Context, msgs []outbox.Envelope, res *outbox.Results) {
+	fanout.Publish(ctx, msgs, res, p.cfg.Concurrency, p.call)
 }
 
 func (p *Publisher) call(ctx context.Context, e *outbox.Envelope) error {

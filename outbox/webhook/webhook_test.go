@@ -235,3 +235,35 @@ func TestNewValidatesConfig(t *testing.T) {
 		require.ErrorIs(t, err, outbox.ErrInvalidConfig, "%+v", cfg)
 	}
 }
+
+// With one call at a time, a receiver that hangs on one message until the
+// publish deadline costs the message queued behind it nothing: that one is
+// not sent, keeps its attempt count, and goes out with the next batch.
+func TestWebhookQueuedCallIsNotChargedForASlowOne(t *testing.T) {
+	t.Parallel()
+	d := pgtest.New(t)
+	rcv := newReceiver(t, func(call int, w http.ResponseWriter, r *http.Request) {
+		if call == 1 {
+			<-r.Context().Done() // hangs until the publisher gives up
+			return
+		}
+		w.WriteHeader(http.StatusNoContent)
+	})
+	outboxtest.Enqueue(t, d.Pool, outbox.Message{Topic: "t", Payload: []byte("slow")}, outbox.Message{Topic: "t", Payload: []byte("queued")})
+	pub, err := webhook.New(webhook.Config{URL: rcv.URL, Secret: testSecret, Concurrency: 1})
+	require.NoError(t, err)
+	r := outboxtest.NewRelay(t, d.Pool, pub, outbox.Config{PublishTimeout: 400 * time.Millisecond})
+	n, err := r.RunOnce(context.Background())
+	require.NoError(t, err)
+	require.Zero(t, n)
+	require.Len(t, rcv.received(), 1)
+	require.Equal(t, 1, d.Count(t, "SELECT count(*) FROM outbox_messages WHERE payload = 'slow' AND attempts = 1 AND last_error IS NOT NULL"))
+	require.Equal(t, 1, d.Count(t, "SELECT count(*) FROM outbox_messages WHERE payload = 'queued' AND attempts = 0 AND last_error IS NULL"))
+	outboxtest.Eventually(t, func() bool {
+		_, err := r.RunOnce(context.Background())
+		require.NoError(t, err)
+		return d.Count(t, "SELECT count(*) FROM outbox_messages WHERE published_at IS NULL") == 0
+	})
+	require.Equal(t, 1, d.Count(t, "SELECT count(*) FROM outbox_messages WHERE payload = 'queued' AND attempts = 1"))
+	require.Equal(t, 1, d.Count(t, "SELECT count(*) FROM outbox_messages WHERE payload = 'slow' AND attempts = 2"))
+}

@@ -107,17 +107,16 @@ type recordingPublisher struct {
 	tr   *ackTracker
 }
 
-func (p recordingPublisher) Publish(ctx context.Context, msgs []outbox.Envelope) []error {
-	errs := p.next.Publish(ctx, msgs)
+func (p recordingPublisher) Publish(ctx context.Context, msgs []outbox.Envelope, res *outbox.Results) {
+	p.next.Publish(ctx, msgs, res)
 	now := time.Now()
 	for i, m := range msgs {
-		if errs == nil || errs[i] == nil {
+		if res.Reported(i) && res.Err(i) == nil {
 			if seq, ok := payloadSeq(m.Payload); ok {
 				p.tr.acked(seq, now)
 			}
 		}
 	}
-	return errs
 }
 
 // recordingWMPublisher does the same for Watermill's NATS publisher.
