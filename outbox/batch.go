@@ -145,6 +145,9 @@ func (r *Relay) record(ctx context.Context, q *db.Queries, envs []Envelope, outc
 			var delay time.Duration
 			if !dead {
 				delay = r.backoff(envs[i].Attempt)
+				if asked, ok := retryDelay(o.err); ok {
+					delay = min(max(delay, asked), r.cfg.RetryMaxDelay)
+				}
 			}
 			fail.Ids = append(fail.Ids, envs[i].ID)
 			fail.Errors = append(fail.Errors, errorText(o.err))

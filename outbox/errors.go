@@ -3,6 +3,7 @@ package outbox
 import (
 	"errors"
 	"fmt"
+	"time"
 )
 
 // Sentinel errors, matched with errors.Is. Errors returned by this package
@@ -60,6 +61,34 @@ type permanentError struct{ err error }
 
 func (e *permanentError) Error() string   { return "permanent: " + e.err.Error() }
 func (e *permanentError) Unwrap() []error { return []error{ErrPermanent, e.err} }
+
+// RetryAfter wraps err with the least delay before the message is tried
+// again, as a receiver asks with an HTTP Retry-After header. The relay waits
+// the longer of d and its own backoff, capped at Config.RetryMaxDelay.
+// errors.Is and errors.As still see err. RetryAfter(nil, d) returns nil.
+func RetryAfter(err error, d time.Duration) error {
+	if err == nil {
+		return nil
+	}
+	return &retryAfterError{err: err, delay: max(d, 0)}
+}
+
+type retryAfterError struct {
+	err   error
+	delay time.Duration
+}
+
+func (e *retryAfterError) Error() string { return e.err.Error() }
+func (e *retryAfterError) Unwrap() error { return e.err }
+
+// retryDelay returns the delay err asks for with RetryAfter, if any.
+func retryDelay(err error) (time.Duration, bool) {
+	var ra *retryAfterError
+	if errors.As(err, &ra) {
+		return ra.delay, true
+	}
+	return 0, false
+}
 
 // validationError reports a message Enqueue refused. It matches both its
 // specific sentinel and ErrInvalidMessage.

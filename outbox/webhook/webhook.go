@@ -9,6 +9,7 @@ import (
 	"encoding/hex"
 	"fmt"
 	"io"
+	"math"
 	"net/http"
 	"net/url"
 	"strconv"
@@ -65,9 +66,12 @@ type Config struct {
 //
 //	"v1=" + hex(HMAC-SHA256(Secret, timestamp + "." + body))
 //
-// A 2xx answer is success. 408, 429 and 5xx answers, timeouts and network
-// errors are retried. Any other answer (4xx, or an unfollowed 3xx) is a
-// permanent failure: the relay dead-letters the message.
+// A 2xx answer is success. 408, 409, 423, 425, 429 and 5xx answers,
+// timeouts and network errors are retried, no sooner than a Retry-After
+// header asks (in seconds or as an HTTP date; the relay caps the wait at its
+// RetryMaxDelay). Any other answer (another 4xx, or an unfollowed 3xx) is a
+// permanent failure: the relay dead-letters the message, with the status and
+// the first 1 KiB of the response body in last_error.
 type Publisher struct {
 	url    string
 	secret []byte
@@ -144,17 +148,54 @@ func (p *Publisher) call(ctx context.Context, e *outbox.Envelope) error {
 		return fmt.Errorf("webhook: %w", err)
 	}
 	defer resp.Body.Close()
-	snippet, _ := io.ReadAll(io.LimitReader(resp.Body, 256))
+	body, _ := io.ReadAll(io.LimitReader(resp.Body, maxErrorBody))
 	_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 64<<10)) // lets the connection be reused
 	code := resp.StatusCode
-	switch {
-	case code >= 200 && code < 300:
+	if code >= 200 && code < 300 {
 		return nil
-	case code == http.StatusRequestTimeout, code == http.StatusTooManyRequests, code >= 500:
-		return fmt.Errorf("webhook: %s: %s", resp.Status, strings.TrimSpace(string(snippet)))
-	default:
-		return outbox.Permanent(fmt.Errorf("webhook: %s: %s", resp.Status, strings.TrimSpace(string(snippet))))
 	}
+	err = fmt.Errorf("webhook: %s: %s", resp.Status, body)
+	if !retryable(code) {
+		return outbox.Permanent(err)
+	}
+	if d, ok := parseRetryAfter(resp.Header.Get("Retry-After"), p.now()); ok {
+		return outbox.RetryAfter(err, d)
+	}
+	return err
+}
+
+// maxErrorBody is how much of a failed call's response body its error, and
+// so the message's last_error, keeps.
+const maxErrorBody = 1024
+
+// retryable reports whether an answer other than 2xx is worth another
+// attempt: a timeout (408), a conflict with a request still in flight,
+// as an idempotent receiver answers while an earlier delivery of the same
+// Idempotency-Key runs (409), a locked resource (423), a request that came
+// too early (425), rate limiting (429), and every server error (5xx).
+func retryable(code int) bool {
+	switch code {
+	case http.StatusRequestTimeout, http.StatusConflict, http.StatusLocked,
+		http.StatusTooEarly, http.StatusTooManyRequests:
+		return true
+	}
+	return code >= 500 && code < 600
+}
+
+// parseRetryAfter reads a Retry-After header (RFC 9110): delay-seconds or
+// an HTTP date, which it turns into a wait from now.
+func parseRetryAfter(v string, now time.Time) (time.Duration, bool) {
+	v = strings.TrimSpace(v)
+	if v == "" {
+		return 0, false
+	}
+	if secs, err := strconv.ParseUint(v, 10, 63); err == nil {
+		return time.Duration(min(secs, uint64(math.MaxInt64/time.Second))) * time.Second, true
+	}
+	if at, err := http.ParseTime(v); err == nil {
+		return max(at.Sub(now), 0), true
+	}
+	return 0, false
 }
 
 func sign(secret []byte, timestamp string, body []byte) []byte {

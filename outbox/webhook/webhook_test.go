@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -110,37 +111,44 @@ func TestWebhookDeliversSignedCall(t *testing.T) {
 	require.Equal(t, 1, d.Count(t, "SELECT count(*) FROM outbox_messages WHERE published_at IS NOT NULL"))
 }
 
-// 410 Gone is permanent: dead-lettered after one attempt. 503 is retried
-// until the receiver accepts. 429 and 408 are retried; 400 is permanent.
+// Every status the receiver can answer, one case each. 2xx is success.
+// 408, 409, 423, 425, 429 and 5xx are retried: the message is published
+// once the receiver accepts, with the failed answer's status in last_error.
+// Any other answer, other 4xx and an unfollowed 3xx, dead-letters the
+// message at once, keeping the status and the first 1 KiB of the body.
 func TestWebhookStatusHandling(t *testing.T) {
 	t.Parallel()
+	body := strings.Repeat("~", 1024) + strings.Repeat("^", 3000) // only the ~ are kept
 	cases := []struct {
-		name     string
-		statuses []int // answered in turn, then 204
-		attempts int
-		dead     bool
+		status int
+		retry  bool
 	}{
-		{"410 dead-letters", []int{http.StatusGone}, 1, true},
-		{"400 dead-letters", []int{http.StatusBadRequest}, 1, true},
-		{"503 retries", []int{http.StatusServiceUnavailable, http.StatusServiceUnavailable}, 3, false},
-		{"429 retries", []int{http.StatusTooManyRequests}, 2, false},
-		{"408 retries", []int{http.StatusRequestTimeout}, 2, false},
-		{"302 is not followed and dead-letters", []int{http.StatusFound}, 1, true},
+		{http.StatusOK, false}, {http.StatusAccepted, false}, {http.StatusNoContent, false},
+		{http.StatusMovedPermanently, false}, {http.StatusFound, false}, {http.StatusTemporaryRedirect, false},
+		{http.StatusBadRequest, false}, {http.StatusUnauthorized, false}, {http.StatusForbidden, false},
+		{http.StatusNotFound, false}, {http.StatusMethodNotAllowed, false}, {http.StatusNotAcceptable, false},
+		{http.StatusGone, false}, {http.StatusRequestEntityTooLarge, false},
+		{http.StatusUnsupportedMediaType, false}, {http.StatusUnprocessableEntity, false},
+		{http.StatusRequestTimeout, true}, {http.StatusConflict, true}, {http.StatusLocked, true},
+		{http.StatusTooEarly, true}, {http.StatusTooManyRequests, true},
+		{http.StatusInternalServerError, true}, {http.StatusNotImplemented, true},
+		{http.StatusBadGateway, true}, {http.StatusServiceUnavailable, true},
+		{http.StatusGatewayTimeout, true}, {599, true},
 	}
 	for _, tc := range cases {
-		t.Run(tc.name, func(t *testing.T) {
+		t.Run(strconv.Itoa(tc.status), func(t *testing.T) {
 			t.Parallel()
 			d := pgtest.New(t)
 			rcv := newReceiver(t, func(call int, w http.ResponseWriter, r *http.Request) {
-				if call <= len(tc.statuses) {
-					if tc.statuses[call-1] == http.StatusFound {
-						w.Header().Set("Location", "/elsewhere")
-					}
-					w.WriteHeader(tc.statuses[call-1])
-					_, _ = io.WriteString(w, "no thanks")
+				if call > 1 {
+					w.WriteHeader(http.StatusNoContent)
 					return
 				}
-				w.WriteHeader(http.StatusOK)
+				if tc.status/100 == 3 {
+					w.Header().Set("Location", "/elsewhere")
+				}
+				w.WriteHeader(tc.status)
+				_, _ = io.WriteString(w, body)
 			})
 			outboxtest.Enqueue(t, d.Pool, outbox.Message{Topic: "t", Payload: []byte("x")})
 			r := outboxtest.NewRelay(t, d.Pool, newWebhook(t, rcv.URL, 0), outbox.Config{MaxAttempts: 5})
@@ -149,12 +157,75 @@ func TestWebhookStatusHandling(t *testing.T) {
 				require.NoError(t, err)
 				return d.Count(t, "SELECT count(*) FROM outbox_messages WHERE published_at IS NULL AND dead_at IS NULL") == 0
 			})
-			require.Len(t, rcv.received(), tc.attempts)
-			want := "published_at IS NOT NULL"
-			if tc.dead {
-				want = "dead_at IS NOT NULL AND last_error LIKE '%no thanks%'"
+			var (
+				attempts  int
+				published bool
+				lastError *string
+			)
+			require.NoError(t, d.Pool.QueryRow(context.Background(),
+				"SELECT attempts, published_at IS NOT NULL, last_error FROM outbox_messages").Scan(&attempts, &published, &lastError))
+			switch {
+			case tc.status/100 == 2:
+				require.True(t, published)
+				require.Equal(t, 1, attempts)
+				require.Nil(t, lastError)
+			case tc.retry:
+				require.True(t, published, "retried until accepted")
+				require.Equal(t, 2, attempts)
+				require.NotNil(t, lastError)
+				require.Contains(t, *lastError, strconv.Itoa(tc.status))
+			default:
+				require.False(t, published, "dead-lettered")
+				require.Equal(t, 1, attempts)
+				require.NotNil(t, lastError)
+				require.Contains(t, *lastError, strconv.Itoa(tc.status))
+				require.Contains(t, *lastError, body[:1024])
+				require.NotContains(t, *lastError, "^", "only the first 1 KiB of the body")
 			}
-			require.Equal(t, 1, d.Count(t, "SELECT count(*) FROM outbox_messages WHERE attempts = $1 AND "+want, tc.attempts))
+			require.Len(t, rcv.received(), attempts)
+		})
+	}
+}
+
+// Retry-After, in seconds or as an HTTP date, sets the wait before the next
+// attempt when it is longer than the relay's own backoff, capped by
+// RetryMaxDelay.
+func TestWebhookHonoursRetryAfter(t *testing.T) {
+	t.Parallel()
+	cases := []struct {
+		name           string
+		retryAfter     func(now time.Time) string
+		retryBaseDelay time.Duration // the first backoff is between half of it and it
+		retryMaxDelay  time.Duration
+		least, most    time.Duration
+	}{
+		{"seconds", func(time.Time) string { return "3" }, 100 * time.Millisecond, time.Hour, 2500 * time.Millisecond, 3 * time.Second},
+		{"HTTP date", func(now time.Time) string { return now.Add(5 * time.Second).UTC().Format(http.TimeFormat) },
+			100 * time.Millisecond, time.Hour, 3500 * time.Millisecond, 5 * time.Second},
+		{"capped by RetryMaxDelay", func(time.Time) string { return "3600" }, 100 * time.Millisecond, 2 * time.Second, 1500 * time.Millisecond, 2 * time.Second},
+		{"shorter than the backoff", func(time.Time) string { return "1" }, 10 * time.Second, time.Hour, 4500 * time.Millisecond, 10 * time.Second},
+		{"unparsable: the backoff", func(time.Time) string { return "soon" }, 100 * time.Millisecond, time.Hour, 0, 100 * time.Millisecond},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			d := pgtest.New(t)
+			rcv := newReceiver(t, func(call int, w http.ResponseWriter, r *http.Request) {
+				w.Header().Set("Retry-After", tc.retryAfter(time.Now()))
+				w.WriteHeader(http.StatusServiceUnavailable)
+			})
+			outboxtest.Enqueue(t, d.Pool, outbox.Message{Topic: "t", Payload: []byte("x")})
+			r := outboxtest.NewRelay(t, d.Pool, newWebhook(t, rcv.URL, 0), outbox.Config{
+				RetryBaseDelay: tc.retryBaseDelay, RetryMaxDelay: tc.retryMaxDelay,
+			})
+			_, err := r.RunOnce(context.Background())
+			require.NoError(t, err)
+			var wait float64
+			require.NoError(t, d.Pool.QueryRow(context.Background(),
+				"SELECT extract(epoch FROM available_at - now()) FROM outbox_messages WHERE attempts = 1").Scan(&wait))
+			got := time.Duration(wait * float64(time.Second))
+			require.GreaterOrEqual(t, got, tc.least)
+			require.LessOrEqual(t, got, tc.most)
 		})
 	}
 }
