@@ -108,12 +108,20 @@ func (r *Relay) claim(ctx context.Context, q *db.Queries) ([]Envelope, []outcome
 	outcomes := make([]outcome, len(rows))
 	for i, row := range rows {
 		envs[i] = Envelope{
-			ID:          row.ID,
+			ID:          row.MessageID.UUID,
+			RowID:       row.ID,
 			Topic:       row.Topic,
 			OrderingKey: row.OrderingKey.String,
 			Payload:     row.Payload,
 			Attempt:     int(row.Attempts) + 1,
 			CreatedAt:   row.CreatedAt,
+		}
+		if !row.MessageID.Valid {
+			// The schema's check constraint rules this out. A row written
+			// around it fails, and is retried, rather than be sent without
+			// the id that makes its republishes recognizable.
+			outcomes[i] = outcome{attempted: true, err: errors.New("outbox: message has no message_id")}
+			continue
 		}
 		if string(row.Headers) != "{}" {
 			if err := json.Unmarshal(row.Headers, &envs[i].Headers); err != nil {
@@ -139,7 +147,7 @@ func (r *Relay) record(ctx context.Context, q *db.Queries, envs []Envelope, outc
 		switch {
 		case !o.attempted:
 		case o.err == nil:
-			ok = append(ok, envs[i].ID)
+			ok = append(ok, envs[i].RowID)
 		default:
 			dead := errors.Is(o.err, ErrPermanent) || envs[i].Attempt >= r.cfg.MaxAttempts
 			var delay time.Duration
@@ -149,7 +157,7 @@ func (r *Relay) record(ctx context.Context, q *db.Queries, envs []Envelope, outc
 					delay = min(max(delay, asked), r.cfg.RetryMaxDelay)
 				}
 			}
-			fail.Ids = append(fail.Ids, envs[i].ID)
+			fail.Ids = append(fail.Ids, envs[i].RowID)
 			fail.Errors = append(fail.Errors, errorText(o.err))
 			fail.DelaysUs = append(fail.DelaysUs, delay.Microseconds())
 			fail.Dead = append(fail.Dead, dead)
@@ -174,7 +182,8 @@ func (r *Relay) report(published int, failures []failure) {
 	r.published.Add(uint64(published))
 	for _, f := range failures {
 		attrs := []any{
-			"message_id", f.env.ID, "topic", f.env.Topic, "attempt", f.env.Attempt, "error", f.err,
+			"message_id", f.env.ID, "row_id", f.env.RowID, "topic", f.env.Topic,
+			"attempt", f.env.Attempt, "error", f.err,
 		}
 		if f.env.OrderingKey != "" {
 			attrs = append(attrs, "ordering_key", f.env.OrderingKey)

@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/uuid"
 	"github.com/stretchr/testify/require"
 
 	"github.com/atomicphase/atomicphase/internal/pgtest"
@@ -76,7 +77,7 @@ func TestRelayRetriesWithGrowingDelays(t *testing.T) {
 		attempts = append(attempts, e.Attempt)
 		if e.Attempt > 1 {
 			var at time.Time
-			err := d.Pool.QueryRow(ctx, "SELECT available_at FROM outbox_messages WHERE id = $1", e.ID).Scan(&at)
+			err := d.Pool.QueryRow(ctx, "SELECT available_at FROM outbox_messages WHERE id = $1", e.RowID).Scan(&at)
 			errs = append(errs, err)
 			availableAt = append(availableAt, at)
 		}
@@ -326,7 +327,7 @@ func TestRelayGracefulStopsDuringDrainDeliverNothingTwice(t *testing.T) {
 	require.NoError(t, err)
 
 	var mu sync.Mutex
-	deliveries := make(map[int64]int, total)
+	deliveries := make(map[uuid.UUID]int, total)
 	deliver := func(e Envelope) {
 		mu.Lock()
 		deliveries[e.ID]++

@@ -8,6 +8,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/atomicphase/atomicphase/internal/pgtest"
@@ -47,7 +50,8 @@ func TestEnqueueRolledBackNeverPublishedCommittedPublished(t *testing.T) {
 	got := rec.published()
 	require.Len(t, got, 1)
 	e := got[0]
-	require.Positive(t, e.ID)
+	require.Positive(t, e.RowID)
+	require.Equal(t, uuid.Version(7), e.ID.Version())
 	require.Equal(t, "orders.created", e.Topic)
 	require.Equal(t, "order:1", e.OrderingKey)
 	require.Equal(t, "committed", string(e.Payload))
@@ -55,7 +59,8 @@ func TestEnqueueRolledBackNeverPublishedCommittedPublished(t *testing.T) {
 	require.Equal(t, 1, e.Attempt)
 	require.False(t, e.CreatedAt.IsZero())
 	require.Equal(t, 1, d.Count(t,
-		"SELECT count(*) FROM outbox_messages WHERE id = $1 AND published_at IS NOT NULL AND attempts = 1 AND dead_at IS NULL", e.ID))
+		"SELECT count(*) FROM outbox_messages WHERE id = $1 AND message_id = $2 AND published_at IS NOT NULL AND attempts = 1 AND dead_at IS NULL",
+		e.RowID, e.ID))
 }
 
 // Enqueue records the idempotency key of the phase it runs in, which txn
@@ -170,4 +175,37 @@ func TestValidationErrorText(t *testing.T) {
 	_, err := validate(3, &Message{})
 	require.EqualError(t, err, "outbox: invalid topic: message 3: topic is empty")
 	require.True(t, errors.Is(err, ErrInvalidTopic) && errors.Is(err, ErrInvalidMessage))
+}
+
+// Enqueue and the relay work in every pgx query exec mode, as behind a
+// transaction-pooling PgBouncer: JSON is bound as text, never as bytea.
+func TestEnqueueAndRelayInEveryExecMode(t *testing.T) {
+	t.Parallel()
+	for _, mode := range []pgx.QueryExecMode{
+		pgx.QueryExecModeCacheStatement, pgx.QueryExecModeCacheDescribe,
+		pgx.QueryExecModeDescribeExec, pgx.QueryExecModeExec, pgx.QueryExecModeSimpleProtocol,
+	} {
+		t.Run(mode.String(), func(t *testing.T) {
+			t.Parallel()
+			d := pgtest.New(t)
+			pool := d.NewPool(t, func(c *pgxpool.Config) { c.ConnConfig.DefaultQueryExecMode = mode })
+			enqueue(t, pool, Message{
+				Topic: "t", OrderingKey: "k", Payload: []byte{0, 1, 0xff, '\\'},
+				Headers: map[string]string{"X-Json": `{"a":"\u00e9\"\\"}`},
+				Delay:   time.Microsecond,
+			})
+			rec := &recorder{}
+			r := newTestRelay(t, pool, PublisherFunc(rec.publish), Config{DisableNotify: true})
+			eventually(t, func() bool {
+				_, err := r.RunOnce(context.Background())
+				require.NoError(t, err)
+				return len(rec.published()) == 1
+			})
+			e := rec.published()[0]
+			require.Equal(t, []byte{0, 1, 0xff, '\\'}, e.Payload)
+			require.Equal(t, map[string]string{"X-Json": `{"a":"\u00e9\"\\"}`}, e.Headers)
+			require.Equal(t, uuid.Version(7), e.ID.Version())
+			require.Equal(t, 1, d.Count(t, "SELECT count(*) FROM outbox_messages WHERE published_at IS NOT NULL"))
+		})
+	}
 }

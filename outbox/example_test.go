@@ -6,6 +6,7 @@ import (
 	"log"
 	"os"
 
+	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
@@ -42,14 +43,15 @@ func ExampleEnqueue() {
 // same process.
 func ExamplePublisherFunc() {
 	pub := outbox.PublisherFunc(func(ctx context.Context, msg outbox.Envelope) error {
-		fmt.Printf("message %d on %s, attempt %d\n", msg.ID, msg.Topic, msg.Attempt)
+		fmt.Printf("message %s on %s, attempt %d\n", msg.ID, msg.Topic, msg.Attempt)
 		return nil
 	})
 	// A relay calls Publish itself; outside one, Results collects the outcomes.
 	res := outbox.NewResults(1)
-	pub.Publish(context.Background(), []outbox.Envelope{{ID: 7, Topic: "orders.created", Attempt: 1}}, res)
+	id := uuid.MustParse("01935f5e-7a8b-7c3d-9e4f-0123456789ab")
+	pub.Publish(context.Background(), []outbox.Envelope{{ID: id, Topic: "orders.created", Attempt: 1}}, res)
 	fmt.Println(res.Reported(0), res.Err(0))
 	// Output:
-	// message 7 on orders.created, attempt 1
+	// message 01935f5e-7a8b-7c3d-9e4f-0123456789ab on orders.created, attempt 1
 	// true <nil>
 }

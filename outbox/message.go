@@ -5,6 +5,8 @@ import (
 	"strings"
 	"time"
 	"unicode/utf8"
+
+	"github.com/google/uuid"
 )
 
 // MaxPayloadBytes is the largest payload Enqueue accepts; a larger one fails
@@ -50,9 +52,15 @@ type Message struct {
 
 // Envelope is a staged message as the relay hands it to a Publisher.
 type Envelope struct {
-	// ID is the message's id, unique in its outbox table and stable across
-	// retries: receivers deduplicate on it.
-	ID int64
+	// ID is the message's globally unique id, a UUIDv7 drawn when the
+	// message was staged: the same on every publish of the message, and
+	// never given to another, in this outbox or any other, even after a
+	// restore or a failover. Brokers and receivers deduplicate on it (it is
+	// the NATS Nats-Msg-Id and the webhook Idempotency-Key).
+	ID uuid.UUID
+	// RowID is the message's row id in the outbox table (outbox_messages.id),
+	// for finding it there. It is unique only within that table.
+	RowID int64
 	// Topic, OrderingKey, Payload and Headers are as enqueued.
 	Topic       string
 	OrderingKey string

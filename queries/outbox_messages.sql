@@ -83,7 +83,7 @@ followers AS (
     ) AS f
     WHERE heads.ordering_key IS NOT NULL AND f.run_due
 )
-SELECT m.id, m.topic, m.ordering_key, m.payload, m.headers, m.attempts, m.created_at
+SELECT m.id, m.message_id, m.topic, m.ordering_key, m.payload, m.headers, m.attempts, m.created_at
 FROM outbox_messages m
 WHERE m.id = ANY(ARRAY(SELECT heads.id FROM heads UNION ALL SELECT followers.id FROM followers))
   AND m.published_at IS NULL AND m.dead_at IS NULL

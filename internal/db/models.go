@@ -51,4 +51,5 @@ type OutboxMessage struct {
 	LastError        pgtype.Text
 	PublishedAt      *time.Time
 	DeadAt           *time.Time
+	MessageID        uuid.NullUUID
 }

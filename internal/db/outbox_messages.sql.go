@@ -9,6 +9,7 @@ import (
 	"context"
 	"time"
 
+	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5/pgtype"
 )
 
@@ -42,7 +43,7 @@ followers AS (
     ) AS f
     WHERE heads.ordering_key IS NOT NULL AND f.run_due
 )
-SELECT m.id, m.topic, m.ordering_key, m.payload, m.headers, m.attempts, m.created_at
+SELECT m.id, m.message_id, m.topic, m.ordering_key, m.payload, m.headers, m.attempts, m.created_at
 FROM outbox_messages m
 WHERE m.id = ANY(ARRAY(SELECT heads.id FROM heads UNION ALL SELECT followers.id FROM followers))
   AND m.published_at IS NULL AND m.dead_at IS NULL
@@ -53,6 +54,7 @@ FOR UPDATE OF m
 
 type ClaimMessagesRow struct {
 	ID          int64
+	MessageID   uuid.NullUUID
 	Topic       string
 	OrderingKey pgtype.Text
 	Payload     []byte
@@ -85,6 +87,7 @@ func (q *Queries) ClaimMessages(ctx context.Context, batchSize int32) ([]ClaimMe
 		var i ClaimMessagesRow
 		if err := rows.Scan(
 			&i.ID,
+			&i.MessageID,
 			&i.Topic,
 			&i.OrderingKey,
 			&i.Payload,

@@ -9,7 +9,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"strconv"
 	"strings"
 
 	"github.com/nats-io/nats.go"
@@ -26,12 +25,6 @@ type Config struct {
 	// ("billing." + "invoice.paid"). Default: "", the subject is the topic.
 	SubjectPrefix string
 
-	// MsgIDPrefix is prepended to the message id in the Nats-Msg-Id header.
-	// Set it when several outbox tables (several databases or schemas)
-	// publish into one stream, whose ids would otherwise collide and be
-	// dropped as duplicates. Default: "", the header is the decimal id.
-	MsgIDPrefix string
-
 	// MaxInFlight bounds how many messages one Publish call has awaiting
 	// their acknowledgement at once. Default: 64.
 	MaxInFlight int
@@ -41,8 +34,8 @@ type Config struct {
 // acknowledgement (PubAck) from the stream.
 //
 // Each message goes to subject SubjectPrefix+Topic with its headers and
-// Nats-Msg-Id set to MsgIDPrefix plus the message id in decimal ("42"). A
-// republish of a message (after a crash, or a lost acknowledgement) carries
+// Nats-Msg-Id set to the message's id, a UUID unique across outboxes (so
+// several installations can share a stream). A republish of a message (after a crash, or a lost acknowledgement) carries
 // the same Nats-Msg-Id, so JetStream drops it as a duplicate when it arrives
 // within the stream's duplicate window (Duplicates in the stream
 // configuration, 2 minutes by default): inside that window a message is
@@ -80,15 +73,7 @@ func New(js jetstream.JetStream, cfg *Config) (*Publisher, error) {
 	if strings.ContainsAny(c.SubjectPrefix, " \t\r\n*>") {
 		return nil, fmt.Errorf("%w: SubjectPrefix %q contains whitespace or a wildcard", ErrInvalidConfig, c.SubjectPrefix)
 	}
-	if hasControl(c.MsgIDPrefix) {
-		return nil, fmt.Errorf("%w: MsgIDPrefix %q contains a control character", ErrInvalidConfig, c.MsgIDPrefix)
-	}
 	return &Publisher{js: js, cfg: c}, nil
-}
-
-// MsgID returns the Nats-Msg-Id this publisher gives the message with id.
-func (p *Publisher) MsgID(id int64) string {
-	return p.cfg.MsgIDPrefix + strconv.FormatInt(id, 10)
 }
 
 // Publish implements outbox.Publisher: it publishes msgs concurrently (they
@@ -110,7 +95,7 @@ func (p *Publisher) publishOne(ctx context.Context, e *outbox.Envelope) error {
 	for k, v := range e.Headers {
 		m.Header.Set(k, v)
 	}
-	m.Header.Set(jetstream.MsgIDHeader, p.MsgID(e.ID))
+	m.Header.Set(jetstream.MsgIDHeader, e.ID.String())
 	if _, err := p.js.PublishMsg(ctx, m); err != nil {
 		var apiErr *jetstream.APIError
 		if errors.Is(err, nats.ErrMaxPayload) || errors.Is(err, nats.ErrBadSubject) ||
@@ -134,14 +119,4 @@ func validSubject(s string) bool {
 		}
 	}
 	return true
-}
-
-// hasControl reports ASCII control characters other than horizontal tab.
-func hasControl(s string) bool {
-	for i := 0; i < len(s); i++ {
-		if c := s[i]; (c < 0x20 && c != '\t') || c == 0x7f {
-			return true
-		}
-	}
-	return false
 }

@@ -12,11 +12,13 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/atomicphase/atomicphase/internal/outboxtest"
 	"github.com/atomicphase/atomicphase/internal/pgtest"
+	"github.com/atomicphase/atomicphase/migrations"
 	"github.com/atomicphase/atomicphase/outbox"
 	"github.com/atomicphase/atomicphase/outbox/natspub"
 )
@@ -24,7 +26,7 @@ import (
 func TestMain(m *testing.M) { pgtest.Main(m) }
 
 // The NATS publisher publishes to prefix+topic with the message's headers
-// and Nats-Msg-Id = id, waits for the acknowledgement, and a republish of
+// and Nats-Msg-Id = the message's UUID, waits for the acknowledgement, and a republish of
 // the same id is dropped by the stream (and still counts as success). Bad
 // subjects fail permanently; a subject without a stream is retried.
 func TestNATSPublisherMsgIDAndDedup(t *testing.T) {
@@ -34,34 +36,29 @@ func TestNATSPublisherMsgIDAndDedup(t *testing.T) {
 
 	pub, err := natspub.New(js, &natspub.Config{SubjectPrefix: ts.Prefix})
 	require.NoError(t, err)
-	e := outbox.Envelope{ID: 42, Topic: "orders.created", Payload: []byte(`{"id":1}`), Headers: map[string]string{"X-Trace": "abc", "Nats-Msg-Id": "forged"}, Attempt: 1}
+	id := uuid.Must(uuid.NewV7())
+	e := outbox.Envelope{ID: id, Topic: "orders.created", Payload: []byte(`{"id":1}`), Headers: map[string]string{"X-Trace": "abc", "Nats-Msg-Id": "forged"}, Attempt: 1}
 	require.Equal(t, []error{nil}, outboxtest.Publish(t, pub, e))
 	e.Attempt = 2
 	require.Equal(t, []error{nil}, outboxtest.Publish(t, pub, e), "a duplicate is a success")
 
-	prefixed, err := natspub.New(js, &natspub.Config{SubjectPrefix: ts.Prefix, MsgIDPrefix: "billing-"})
-	require.NoError(t, err)
-	require.Equal(t, "billing-42", prefixed.MsgID(42))
-	require.Equal(t, []error{nil}, outboxtest.Publish(t, prefixed, e), "another outbox's message 42")
-
 	msgs := ts.Messages(t)
-	require.Len(t, msgs, 2)
+	require.Len(t, msgs, 1)
 	require.Equal(t, ts.Prefix+"orders.created", msgs[0].Subject)
-	require.Equal(t, "42", msgs[0].MsgID)
+	require.Equal(t, id.String(), msgs[0].MsgID)
 	require.Equal(t, `{"id":1}`, msgs[0].Data)
 	require.Equal(t, "abc", msgs[0].Headers.Get("X-Trace"))
-	require.Equal(t, "billing-42", msgs[1].MsgID)
 
 	errs := outboxtest.Publish(t, pub,
-		outbox.Envelope{ID: 1, Topic: "has space"},
-		outbox.Envelope{ID: 2, Topic: "wild.*"},
-		outbox.Envelope{ID: 3, Topic: "trailing."})
+		outbox.Envelope{ID: uuid.Must(uuid.NewV7()), Topic: "has space"},
+		outbox.Envelope{ID: uuid.Must(uuid.NewV7()), Topic: "wild.*"},
+		outbox.Envelope{ID: uuid.Must(uuid.NewV7()), Topic: "trailing."})
 	for _, err := range errs {
 		require.ErrorIs(t, err, outbox.ErrPermanent)
 	}
 	noStream, err := natspub.New(js, &natspub.Config{SubjectPrefix: "nostream" + outboxtest.UniqueName() + "."})
 	require.NoError(t, err)
-	err = outboxtest.Publish(t, noStream, outbox.Envelope{ID: 1, Topic: "t"})[0]
+	err = outboxtest.Publish(t, noStream, outbox.Envelope{ID: uuid.Must(uuid.NewV7()), Topic: "t"})[0]
 	require.Error(t, err)
 	require.NotErrorIs(t, err, outbox.ErrPermanent)
 
@@ -81,31 +78,29 @@ func TestRelayCrashAfterAckBeforeMark(t *testing.T) {
 	t.Parallel()
 	url := outboxtest.NATSURL(t)
 
-	stage := func(t *testing.T, pool *pgxpool.Pool) []int64 {
+	stage := func(t *testing.T, pool *pgxpool.Pool) []string {
 		for i := range 4 {
 			outboxtest.Enqueue(t, pool,
 				outbox.Message{Topic: "evt", OrderingKey: "k" + strconv.Itoa(i), Payload: fmt.Appendf(nil, "k%d-1", i)},
 				outbox.Message{Topic: "evt", OrderingKey: "k" + strconv.Itoa(i), Payload: fmt.Appendf(nil, "k%d-2", i)},
 				outbox.Message{Topic: "evt", Payload: fmt.Appendf(nil, "u%d", i)})
 		}
-		var ids []int64
-		rows, err := pool.Query(context.Background(), "SELECT id FROM outbox_messages ORDER BY id")
+		var ids []string
+		rows, err := pool.Query(context.Background(), "SELECT message_id::text FROM outbox_messages ORDER BY message_id")
 		require.NoError(t, err)
 		for rows.Next() {
-			var id int64
+			var id string
 			require.NoError(t, rows.Scan(&id))
 			ids = append(ids, id)
 		}
 		require.NoError(t, rows.Err())
 		return ids
 	}
-	verify := func(t *testing.T, d *pgtest.DB, ts *outboxtest.Stream, ids []int64, attempts int) {
+	verify := func(t *testing.T, d *pgtest.DB, ts *outboxtest.Stream, ids []string, attempts int) {
 		msgs := ts.Messages(t)
-		var got []int64
+		var got []string
 		for _, m := range msgs {
-			id, err := strconv.ParseInt(m.MsgID, 10, 64)
-			require.NoError(t, err)
-			got = append(got, id)
+			got = append(got, m.MsgID)
 		}
 		slices.Sort(got)
 		require.Equal(t, ids, got, "each message exactly once in the stream")
@@ -179,11 +174,9 @@ func TestRelayCrashAfterAckBeforeMark(t *testing.T) {
 		require.Equal(t, 8, d.Count(t, "SELECT count(*) FROM outbox_messages WHERE attempts = 2 AND last_error = 'ack lost'"))
 		msgs := ts.Messages(t)
 		require.Len(t, msgs, len(ids))
-		var got []int64
+		var got []string
 		for _, m := range msgs {
-			id, err := strconv.ParseInt(m.MsgID, 10, 64)
-			require.NoError(t, err)
-			got = append(got, id)
+			got = append(got, m.MsgID)
 		}
 		slices.Sort(got)
 		require.Equal(t, ids, got)
@@ -317,4 +310,62 @@ func TestRelayConcurrentDrainIntoJetStream(t *testing.T) {
 	}
 	require.Equal(t, total, committed)
 	require.Equal(t, total, d.Count(t, "SELECT sum(n) FROM drain_seq"))
+}
+
+// Two installations (two schemas, each with its own outbox and identity
+// sequence) publish into one stream: every message of both is stored, none
+// is dropped as a duplicate of the other installation's.
+func TestTwoInstallationsShareAStreamWithoutDedupingEachOther(t *testing.T) {
+	t.Parallel()
+	js := outboxtest.Conn(t, outboxtest.NATSURL(t))
+	ts := outboxtest.NewStream(t, js, 2*time.Minute)
+	for _, name := range []string{"billing", "shipping"} {
+		d := pgtest.New(t)
+		for i := range 5 {
+			outboxtest.Enqueue(t, d.Pool, outbox.Message{Topic: "evt", Payload: fmt.Appendf(nil, "%s-%d", name, i)})
+		}
+		pub, err := natspub.New(js, &natspub.Config{SubjectPrefix: ts.Prefix})
+		require.NoError(t, err)
+		require.Equal(t, 5, outboxtest.Drain(t, outboxtest.NewRelay(t, d.Pool, pub, outbox.Config{})))
+	}
+	msgs := ts.Messages(t)
+	require.Len(t, msgs, 10, "each installation's five messages")
+	ids := make(map[string]bool)
+	for _, m := range msgs {
+		ids[m.MsgID] = true
+	}
+	require.Len(t, ids, 10)
+}
+
+// After the schema is rolled back and migrated again (the row ids start
+// over, as after restoring an old backup), new messages get new ids: the
+// stream stores them instead of dropping them as duplicates of the earlier
+// ones.
+func TestNewMessagesAfterDownToZeroAndUpAreNotDuplicates(t *testing.T) {
+	t.Parallel()
+	js := outboxtest.Conn(t, outboxtest.NATSURL(t))
+	ts := outboxtest.NewStream(t, js, 2*time.Minute)
+	d := pgtest.New(t)
+	// Rolling back drops the outbox table: an explicit opt-in on the
+	// migrating connection allows it.
+	pool := d.NewPool(t, func(c *pgxpool.Config) { c.ConnConfig.RuntimeParams["atomicphase.allow_data_loss"] = "on" })
+	pub, err := natspub.New(js, &natspub.Config{SubjectPrefix: ts.Prefix})
+	require.NoError(t, err)
+	ctx := context.Background()
+	for round := range 2 {
+		if round == 1 {
+			require.NoError(t, migrations.DownTo(ctx, pool, 0))
+			require.NoError(t, migrations.Up(ctx, pool))
+		}
+		for i := range 5 {
+			outboxtest.Enqueue(t, d.Pool, outbox.Message{Topic: "evt", Payload: fmt.Appendf(nil, "round%d-%d", round, i)})
+		}
+		require.Equal(t, 5, outboxtest.Drain(t, outboxtest.NewRelay(t, d.Pool, pub, outbox.Config{})))
+	}
+	var stored []string
+	for _, m := range ts.Messages(t) {
+		stored = append(stored, m.Data)
+	}
+	require.ElementsMatch(t, []string{"round0-0", "round0-1", "round0-2", "round0-3", "round0-4",
+		"round1-0", "round1-1", "round1-2", "round1-3", "round1-4"}, stored, "both rounds stored")
 }

@@ -22,8 +22,9 @@ import (
 
 // Headers of a webhook call.
 const (
-	// HeaderIdempotencyKey carries the message id in decimal: the same on
-	// every retry of a message, so receivers deduplicate on it.
+	// HeaderIdempotencyKey carries the message's id, a UUID, as an RFC 9651
+	// sf-string ("\"0193...\"", as the IETF Idempotency-Key draft asks): the
+	// same on every retry of a message, so receivers deduplicate on it.
 	HeaderIdempotencyKey = "Idempotency-Key"
 	// HeaderWebhookTimestamp carries the send time in Unix seconds.
 	HeaderWebhookTimestamp = "Webhook-Timestamp"
@@ -137,7 +138,7 @@ func (p *Publisher) call(ctx context.Context, e *outbox.Envelope) error {
 		req.Header.Set("Content-Type", "application/octet-stream")
 	}
 	ts := strconv.FormatInt(p.now().Unix(), 10)
-	req.Header.Set(HeaderIdempotencyKey, strconv.FormatInt(e.ID, 10))
+	req.Header.Set(HeaderIdempotencyKey, `"`+e.ID.String()+`"`) // an RFC 9651 sf-string
 	req.Header.Set(HeaderWebhookTopic, e.Topic)
 	req.Header.Set(HeaderWebhookTimestamp, ts)
 	req.Header.Set(HeaderWebhookSignature, "v1="+hex.EncodeToString(sign(p.secret, ts, e.Payload)))

@@ -17,6 +17,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/atomicphase/atomicphase/httpidem"
 	"github.com/atomicphase/atomicphase/internal/outboxtest"
 	"github.com/atomicphase/atomicphase/internal/pgtest"
 	"github.com/atomicphase/atomicphase/outbox"
@@ -99,9 +100,12 @@ func TestWebhookDeliversSignedCall(t *testing.T) {
 	c := calls[0]
 	require.NoError(t, c.verifyError)
 	require.Equal(t, `{"invoice":"in_1"}`, c.body)
-	var id int64
-	require.NoError(t, d.Pool.QueryRow(context.Background(), "SELECT id FROM outbox_messages").Scan(&id))
-	require.Equal(t, strconv.FormatInt(id, 10), c.header.Get(webhook.HeaderIdempotencyKey))
+	var id string
+	require.NoError(t, d.Pool.QueryRow(context.Background(), "SELECT message_id::text FROM outbox_messages").Scan(&id))
+	require.Equal(t, `"`+id+`"`, c.header.Get(webhook.HeaderIdempotencyKey), "the message id as an sf-string")
+	key, err := httpidem.ParseKey(c.header.Get(webhook.HeaderIdempotencyKey))
+	require.NoError(t, err)
+	require.Equal(t, id, key, "as an idempotent receiver reads it")
 	require.Equal(t, "invoice.paid", c.header.Get(webhook.HeaderWebhookTopic))
 	require.Equal(t, "application/json", c.header.Get("Content-Type"))
 	require.Equal(t, "t-1", c.header.Get("X-Trace"))
