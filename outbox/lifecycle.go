@@ -3,6 +3,7 @@ package outbox
 import (
 	"context"
 	"errors"
+	"fmt"
 	"sync"
 	"time"
 
@@ -20,6 +21,9 @@ import (
 // work runs to completion, bounded by PublishTimeout. If ctx is done
 // already, RunOnce returns its error at once.
 func (r *Relay) RunOnce(ctx context.Context) (int, error) {
+	if err := r.prepare(ctx, false); err != nil {
+		return 0, fmt.Errorf("outbox: prepare publisher: %w", err)
+	}
 	b, err := r.runBatch(ctx)
 	return b.published, err
 }
@@ -27,7 +31,8 @@ func (r *Relay) RunOnce(ctx context.Context) (int, error) {
 // Start runs the relay in the background until ctx is done or Stop is
 // called: it relays batches back to back while there is work, then waits for
 // a notification, the earliest retry falling due, or PollInterval. It
-// returns ErrRelayRunning if the relay is already running.
+// returns ErrRelayRunning if the relay is already running. A publisher that
+// implements Preparer is checked first; Start fails with its error.
 func (r *Relay) Start(ctx context.Context) error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -37,6 +42,9 @@ func (r *Relay) Start(ctx context.Context) error {
 		default:
 			return ErrRelayRunning
 		}
+	}
+	if err := r.prepare(ctx, true); err != nil {
+		return fmt.Errorf("outbox: start: prepare publisher: %w", err)
 	}
 	runCtx, cancel := context.WithCancel(ctx)
 	done := make(chan struct{})

@@ -42,7 +42,8 @@ import (
 // receivers use to deduplicate.
 //
 // A Publisher may also implement [Checker] and [Preparer], to check the
-// relay's settings against its own.
+// relay's settings against its own. A Publisher that wraps another should
+// forward those too.
 type Publisher interface {
 	Publish(ctx context.Context, msgs []Envelope, res *Results)
 }

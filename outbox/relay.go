@@ -99,6 +99,10 @@ type Relay struct {
 	cancel context.CancelFunc
 	done   chan struct{}
 
+	limits   RelayLimits
+	prepMu   sync.Mutex  // serializes PrepareRelay calls
+	prepared atomic.Bool // PrepareRelay succeeded
+
 	// testHookIdle, when set before Start, runs each time the loop is about
 	// to wait for a notification or its timer.
 	testHookIdle func()
@@ -157,13 +161,77 @@ func New(pool *pgxpool.Pool, pub Publisher, cfg *Config) (*Relay, error) {
 		return nil, fmt.Errorf("%w: RetryMaxDelay %v is less than RetryBaseDelay %v",
 			ErrInvalidConfig, c.RetryMaxDelay, c.RetryBaseDelay)
 	}
-	return &Relay{
+	r := &Relay{
 		pool: pool,
 		pub:  pub,
 		cfg:  c,
 		log:  c.Logger,
 		wake: make(chan struct{}, 1),
-	}, nil
+	}
+	r.limits = RelayLimits{
+		PublishDeadline:   r.publishDeadline(),
+		RepublishInterval: c.RetryMaxDelay + 2*c.PublishTimeout + c.PollInterval,
+	}
+	if checker, ok := pub.(Checker); ok {
+		if err := checker.CheckRelay(r.limits); err != nil {
+			return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
+		}
+	}
+	return r, nil
+}
+
+// RelayLimits are the timings of a relay that a publisher checks its own
+// settings against (see [Checker] and [Preparer]).
+type RelayLimits struct {
+	// PublishDeadline is how long after its claim a batch may publish:
+	// three quarters of Config.PublishTimeout. A publisher's own time limit
+	// for one message must not be longer, or the relay would cut off every
+	// message that needs it.
+	PublishDeadline time.Duration
+
+	// RepublishInterval bounds the time from one publish attempt of a
+	// message to the next, while relays run and keep up: a failed attempt is
+	// recorded within PublishTimeout of its claim and falls due at most
+	// RetryMaxDelay later (Retry-After included), and a relay claims it
+	// within PollInterval when idle, or after its batch in flight (at most
+	// PublishTimeout) when busy. It is RetryMaxDelay + 2 × PublishTimeout +
+	// PollInterval. A broker that deduplicates on Envelope.ID must remember
+	// an id at least this long to drop every republish.
+	RepublishInterval time.Duration
+}
+
+// A Checker is a Publisher whose settings must fit the relay's. New calls
+// CheckRelay with the relay's limits and fails, with an error wrapping
+// ErrInvalidConfig, when it returns an error. CheckRelay must not block.
+type Checker interface {
+	CheckRelay(limits RelayLimits) error
+}
+
+// A Preparer is a Publisher that checks its broker against the relay's
+// limits before the relay publishes through it. Start calls PrepareRelay
+// and fails with its error; RunOnce calls it before its first batch, and
+// again on later calls until it succeeds.
+type Preparer interface {
+	PrepareRelay(ctx context.Context, limits RelayLimits) error
+}
+
+// prepare runs the publisher's PrepareRelay, if it has one, unless it
+// succeeded before and again is false.
+func (r *Relay) prepare(ctx context.Context, again bool) error {
+	p, ok := r.pub.(Preparer)
+	if !ok || (!again && r.prepared.Load()) {
+		return nil
+	}
+	r.prepMu.Lock()
+	defer r.prepMu.Unlock()
+	if !again && r.prepared.Load() {
+		return nil
+	}
+	if err := p.PrepareRelay(ctx, r.limits); err != nil {
+		return err
+	}
+	r.prepared.Store(true)
+	return nil
 }
 
 // Stats returns the relay's counters and the age of the oldest pending

@@ -134,7 +134,7 @@ func serve(ctx context.Context, logger *slog.Logger, o options) error {
 		return err
 	}
 
-	pub, err := natspub.New(js, &natspub.Config{SubjectPrefix: o.prefix})
+	pub, err := natspub.New(js, &natspub.Config{SubjectPrefix: o.prefix, Streams: []string{o.stream}})
 	if err != nil {
 		return err
 	}

@@ -114,7 +114,8 @@ func TestCrashChild(t *testing.T) {
 		require.NoError(t, err)
 		js, err := jetstream.New(nc)
 		require.NoError(t, err)
-		pub, err := natspub.New(js, nil)
+		stream, _, _ := strings.Cut(os.Getenv("TORTURE_TOPIC"), ".")
+		pub, err := natspub.New(js, &natspub.Config{Streams: []string{stream}})
 		require.NoError(t, err)
 		relay, err := outbox.New(pool, killingPublisher{pub}, &outbox.Config{Logger: quietLogger(t)})
 		require.NoError(t, err)
@@ -124,9 +125,9 @@ func TestCrashChild(t *testing.T) {
 }
 
 // relayAll publishes every pending outbox row to JetStream.
-func relayAll(t *testing.T, pool *pgxpool.Pool, js jetstream.JetStream) {
+func relayAll(t *testing.T, pool *pgxpool.Pool, js jetstream.JetStream, stream string) {
 	t.Helper()
-	pub, err := natspub.New(js, nil)
+	pub, err := natspub.New(js, &natspub.Config{Streams: []string{stream}})
 	require.NoError(t, err)
 	relay, err := outbox.New(pool, pub, &outbox.Config{Logger: quietLogger(t)})
 	require.NoError(t, err)
@@ -228,7 +229,7 @@ func TestCrashMatrix(t *testing.T) {
 				require.Equal(t, string(want.Body), string(resp.Body), "byte for byte")
 			}
 
-			relayAll(t, d.Pool, js)
+			relayAll(t, d.Pool, js, name)
 			exactlyOnce(t, d, 1)
 			info, err := stream.Info(ctx)
 			require.NoError(t, err)

@@ -34,15 +34,19 @@ func Example() {
 	if err != nil {
 		log.Fatal(err)
 	}
+	// The duplicate window must cover the relay's republish interval:
+	// RetryMaxDelay + 2 x PublishTimeout + PollInterval, 10m21s with the
+	// defaults. Start refuses a shorter one.
 	if _, err := js.CreateOrUpdateStream(ctx, jetstream.StreamConfig{
 		Name:       "ORDERS",
 		Subjects:   []string{"orders.>"},
-		Duplicates: 10 * time.Minute,
+		Duplicates: 15 * time.Minute,
 	}); err != nil {
 		log.Fatal(err)
 	}
 
-	pub, err := natspub.New(js, nil) // subject = topic, Nats-Msg-Id = message id
+	// Subject = topic, Nats-Msg-Id = the message's UUID.
+	pub, err := natspub.New(js, &natspub.Config{Streams: []string{"ORDERS"}})
 	if err != nil {
 		log.Fatal(err)
 	}
@@ -53,7 +57,7 @@ func Example() {
 	if err := relay.Start(ctx); err != nil {
 		log.Fatal(err)
 	}
-	defer relay.Stop() // on shutdown: finishes the batch in flight
+	defer relay.Stop() // on shutdown: sends nothing more, records what was acknowledged
 
 	// ... serve requests ...
 }

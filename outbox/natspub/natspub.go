@@ -9,6 +9,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 
 	"github.com/nats-io/nats.go"
@@ -25,6 +26,14 @@ type Config struct {
 	// ("billing." + "invoice.paid"). Default: "", the subject is the topic.
 	SubjectPrefix string
 
+	// Streams names the JetStream streams that store the subjects this
+	// publisher publishes to. Before a relay publishes through it (see
+	// PrepareRelay), the publisher reads each one's duplicate window and
+	// refuses to run with a window too short for the relay. Default: every
+	// stream whose subjects overlap SubjectPrefix + ">"; name the streams
+	// when other streams on the server overlap that too.
+	Streams []string
+
 	// MaxInFlight bounds how many messages one Publish call has awaiting
 	// their acknowledgement at once. Default: 64.
 	MaxInFlight int
@@ -38,13 +47,17 @@ type Config struct {
 // several installations can share a stream). A republish of a message (after a crash, or a lost acknowledgement) carries
 // the same Nats-Msg-Id, so JetStream drops it as a duplicate when it arrives
 // within the stream's duplicate window (Duplicates in the stream
-// configuration, 2 minutes by default): inside that window a message is
-// stored in the stream exactly once. A duplicate acknowledgement counts as
-// success. A republish comes at the latest RetryMaxDelay plus PublishTimeout
-// after the first attempt (sooner after a crash, once a relay runs again), so
-// a window longer than that keeps the stream free of duplicates; consumers
-// that must also survive republishes outside the window deduplicate on
-// Nats-Msg-Id.
+// configuration, 2 minutes by default) of the previous one: inside that
+// window a message is stored in the stream exactly once. A duplicate
+// acknowledgement counts as success.
+//
+// While relays run, a message is published again at most the relay's
+// RepublishInterval after its previous attempt (outbox.RelayLimits:
+// RetryMaxDelay + 2 × PublishTimeout + PollInterval, 10m21s with the
+// defaults), so the publisher refuses to run (PrepareRelay) when a stream's
+// window is shorter. A republish can still come later, when every relay was
+// stopped for longer than the window after a crash between acknowledgement
+// and record: consumers that must be exact then deduplicate on Nats-Msg-Id.
 //
 // An invalid subject or a message larger than the server or stream accepts is
 // a permanent failure (outbox.ErrPermanent); a missing stream, a timeout or a
@@ -70,6 +83,12 @@ func New(js jetstream.JetStream, cfg *Config) (*Publisher, error) {
 	if c.MaxInFlight == 0 {
 		c.MaxInFlight = 64
 	}
+	for _, name := range c.Streams {
+		if name == "" || strings.ContainsAny(name, " \t\r\n.*>") {
+			return nil, fmt.Errorf("%w: stream name %q is empty or contains whitespace, '.', '*' or '>'", ErrInvalidConfig, name)
+		}
+	}
+	c.Streams = slices.Clone(c.Streams)
 	if strings.ContainsAny(c.SubjectPrefix, " \t\r\n*>") {
 		return nil, fmt.Errorf("%w: SubjectPrefix %q contains whitespace or a wildcard", ErrInvalidConfig, c.SubjectPrefix)
 	}
@@ -103,6 +122,43 @@ func (p *Publisher) publishOne(ctx context.Context, e *outbox.Envelope) error {
 			return outbox.Permanent(err)
 		}
 		return err
+	}
+	return nil
+}
+
+// PrepareRelay implements outbox.Preparer: it reads the duplicate window of
+// each stream (Config.Streams, or the streams that store SubjectPrefix+">")
+// and returns an error matching ErrDuplicateWindow, naming both durations,
+// when one is shorter than the relay's RepublishInterval. A stream that does
+// not exist, or no stream at all, is an error too.
+func (p *Publisher) PrepareRelay(ctx context.Context, limits outbox.RelayLimits) error {
+	names, discovered := p.cfg.Streams, false
+	if len(names) == 0 {
+		filter := p.cfg.SubjectPrefix + ">"
+		lister := p.js.StreamNames(ctx, jetstream.WithStreamListSubject(filter))
+		for name := range lister.Name() {
+			names = append(names, name)
+		}
+		if err := lister.Err(); err != nil {
+			return fmt.Errorf("natspub: list streams for %q: %w", filter, err)
+		}
+		if len(names) == 0 {
+			return fmt.Errorf("natspub: no JetStream stream stores subjects %q", filter)
+		}
+		discovered = true
+	}
+	for _, name := range names {
+		stream, err := p.js.Stream(ctx, name)
+		if discovered && errors.Is(err, jetstream.ErrStreamNotFound) {
+			continue // deleted since it was listed: it stores nothing
+		}
+		if err != nil {
+			return fmt.Errorf("natspub: stream %s: %w", name, err)
+		}
+		if window := stream.CachedInfo().Config.Duplicates; window < limits.RepublishInterval {
+			return fmt.Errorf("%w: stream %s remembers message ids for %v (Duplicates), less than the relay's republish interval of %v (RetryMaxDelay + 2 x PublishTimeout + PollInterval); raise the stream's Duplicates to at least %v or lower the relay's RetryMaxDelay",
+				ErrDuplicateWindow, name, window, limits.RepublishInterval, limits.RepublishInterval)
+		}
 	}
 	return nil
 }

@@ -14,6 +14,7 @@ import (
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/nats-io/nats.go/jetstream"
 	"github.com/stretchr/testify/require"
 
 	"github.com/atomicphase/atomicphase/internal/outboxtest"
@@ -368,4 +369,49 @@ func TestNewMessagesAfterDownToZeroAndUpAreNotDuplicates(t *testing.T) {
 	}
 	require.ElementsMatch(t, []string{"round0-0", "round0-1", "round0-2", "round0-3", "round0-4",
 		"round1-0", "round1-1", "round1-2", "round1-3", "round1-4"}, stored, "both rounds stored")
+}
+
+// The publisher reads the stream's duplicate window before a relay runs and
+// refuses one shorter than the relay's republish interval, naming both;
+// with settings that fit, the relay starts. A named stream that does not
+// exist, or a prefix no stream stores, is refused too.
+func TestPrepareRefusesADuplicateWindowShorterThanTheRelaysRepublishInterval(t *testing.T) {
+	t.Parallel()
+	d := pgtest.New(t)
+	js := outboxtest.Conn(t, outboxtest.NATSURL(t))
+	ts := outboxtest.NewStream(t, js, 2*time.Minute) // JetStream's default window
+	pub, err := natspub.New(js, &natspub.Config{SubjectPrefix: ts.Prefix})
+	require.NoError(t, err)
+
+	defaults, err := outbox.New(d.Pool, pub, &outbox.Config{Logger: outboxtest.Logger(t)})
+	require.NoError(t, err)
+	err = defaults.Start(context.Background())
+	require.ErrorIs(t, err, natspub.ErrDuplicateWindow)
+	require.ErrorContains(t, err, "2m0s")
+	require.ErrorContains(t, err, "10m21s", "RetryMaxDelay 10m + 2 x PublishTimeout 10s + PollInterval 1s")
+	require.ErrorContains(t, err, ts.Name)
+	outboxtest.Enqueue(t, d.Pool, outbox.Message{Topic: "t"})
+	_, err = defaults.RunOnce(context.Background())
+	require.ErrorIs(t, err, natspub.ErrDuplicateWindow)
+	require.Zero(t, d.Count(t, "SELECT count(*) FROM outbox_messages WHERE attempts > 0"), "nothing was published")
+
+	fits, err := outbox.New(d.Pool, pub, &outbox.Config{Logger: outboxtest.Logger(t), RetryMaxDelay: time.Minute})
+	require.NoError(t, err)
+	require.NoError(t, fits.Start(context.Background()))
+	fits.Stop()
+	require.Equal(t, 1, outboxtest.Drain(t, fits))
+
+	missing, err := natspub.New(js, &natspub.Config{SubjectPrefix: ts.Prefix, Streams: []string{"NO_SUCH_" + ts.Name}})
+	require.NoError(t, err)
+	_, err = outbox.New(d.Pool, missing, nil)
+	require.NoError(t, err)
+	relay, err := outbox.New(d.Pool, missing, &outbox.Config{Logger: outboxtest.Logger(t), RetryMaxDelay: time.Minute})
+	require.NoError(t, err)
+	require.ErrorIs(t, relay.Start(context.Background()), jetstream.ErrStreamNotFound)
+
+	nowhere, err := natspub.New(js, &natspub.Config{SubjectPrefix: "nowhere" + outboxtest.UniqueName() + "."})
+	require.NoError(t, err)
+	relay, err = outbox.New(d.Pool, nowhere, &outbox.Config{Logger: outboxtest.Logger(t), RetryMaxDelay: time.Minute})
+	require.NoError(t, err)
+	require.ErrorContains(t, relay.Start(context.Background()), "no JetStream stream stores subjects")
 }

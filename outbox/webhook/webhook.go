@@ -49,8 +49,11 @@ type Config struct {
 	Client *http.Client
 
 	// Timeout bounds one call, from sending the request to reading the
-	// response; a call that runs out of time is retried. Default: 10 seconds.
-	// Keep it below the relay's PublishTimeout.
+	// response; a call that runs out of time is retried. It must not be
+	// longer than the relay's publish deadline (three quarters of its
+	// PublishTimeout, 7.5 s by default): outbox.New refuses a relay whose
+	// deadline would cut off every call that needs the full Timeout.
+	// Default: 5 seconds.
 	Timeout time.Duration
 
 	// Concurrency bounds how many calls one Publish makes at once (the
@@ -94,7 +97,7 @@ func New(cfg Config) (*Publisher, error) {
 		return nil, fmt.Errorf("%w: negative webhook Timeout or Concurrency", ErrInvalidConfig)
 	}
 	if cfg.Timeout == 0 {
-		cfg.Timeout = 10 * time.Second
+		cfg.Timeout = TimeoutDefault
 	}
 	if cfg.Concurrency == 0 {
 		cfg.Concurrency = 4
@@ -114,6 +117,20 @@ func New(cfg Config) (*Publisher, error) {
 		cfg:    cfg,
 		now:    time.Now,
 	}, nil
+}
+
+// TimeoutDefault is Config.Timeout's default, within the publish deadline of
+// a relay with the default PublishTimeout.
+const TimeoutDefault = 5 * time.Second
+
+// CheckRelay implements outbox.Checker: a call's Timeout must end within the
+// relay's publish deadline.
+func (p *Publisher) CheckRelay(limits outbox.RelayLimits) error {
+	if p.cfg.Timeout > limits.PublishDeadline {
+		return fmt.Errorf("webhook: Timeout %v is longer than the relay's publish deadline %v (three quarters of its PublishTimeout): lower Timeout or raise PublishTimeout",
+			p.cfg.Timeout, limits.PublishDeadline)
+	}
+	return nil
 }
 
 // Publish implements outbox.Publisher: it calls the URL for each message,

@@ -325,7 +325,7 @@ func TestWebhookQueuedCallIsNotChargedForASlowOne(t *testing.T) {
 		w.WriteHeader(http.StatusNoContent)
 	})
 	outboxtest.Enqueue(t, d.Pool, outbox.Message{Topic: "t", Payload: []byte("slow")}, outbox.Message{Topic: "t", Payload: []byte("queued")})
-	pub, err := webhook.New(webhook.Config{URL: rcv.URL, Secret: testSecret, Concurrency: 1})
+	pub, err := webhook.New(webhook.Config{URL: rcv.URL, Secret: testSecret, Concurrency: 1, Timeout: 300 * time.Millisecond})
 	require.NoError(t, err)
 	r := outboxtest.NewRelay(t, d.Pool, pub, outbox.Config{PublishTimeout: 400 * time.Millisecond})
 	n, err := r.RunOnce(context.Background())
@@ -341,4 +341,25 @@ func TestWebhookQueuedCallIsNotChargedForASlowOne(t *testing.T) {
 	})
 	require.Equal(t, 1, d.Count(t, "SELECT count(*) FROM outbox_messages WHERE payload = 'queued' AND attempts = 1"))
 	require.Equal(t, 1, d.Count(t, "SELECT count(*) FROM outbox_messages WHERE payload = 'slow' AND attempts = 2"))
+}
+
+// The defaults fit together, and a relay whose publish deadline is shorter
+// than the webhook's own timeout (so that every call needing the full
+// timeout would be cut off and, in the end, dead-lettered) is refused.
+func TestRelayRefusesWebhookTimeoutLongerThanItsPublishDeadline(t *testing.T) {
+	t.Parallel()
+	d := pgtest.New(t)
+	defaults, err := webhook.New(webhook.Config{URL: "http://127.0.0.1/hook", Secret: testSecret})
+	require.NoError(t, err)
+	_, err = outbox.New(d.Pool, defaults, nil)
+	require.NoError(t, err, "the default timeout fits the default publish deadline")
+
+	slow, err := webhook.New(webhook.Config{URL: "http://127.0.0.1/hook", Secret: testSecret, Timeout: 10 * time.Second})
+	require.NoError(t, err)
+	_, err = outbox.New(d.Pool, slow, &outbox.Config{PublishTimeout: 10 * time.Second})
+	require.ErrorIs(t, err, outbox.ErrInvalidConfig)
+	require.ErrorContains(t, err, "10s")
+	require.ErrorContains(t, err, "7.5s")
+	_, err = outbox.New(d.Pool, slow, &outbox.Config{PublishTimeout: 40 * time.Second / 3})
+	require.NoError(t, err, "a deadline of exactly the timeout fits")
 }

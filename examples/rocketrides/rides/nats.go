@@ -14,6 +14,13 @@ import (
 // StreamName is the default JetStream stream receipts are published to.
 const StreamName = "RIDES"
 
+// DuplicateWindow is the receipts stream's duplicate window: longer than
+// the republish interval of a relay with the default settings
+// (RetryMaxDelay 10m + 2 x PublishTimeout 10s + PollInterval 1s = 10m21s),
+// so that every republish of a receipt (same Nats-Msg-Id) is dropped. The
+// relay's publisher refuses to start with a shorter one.
+const DuplicateWindow = 15 * time.Minute
+
 // EnsureStream creates (or updates) the receipts stream for subjects
 // prefix + "ride.>", with a duplicate window that makes republishes of the
 // same outbox message (same Nats-Msg-Id) land once.
@@ -22,7 +29,7 @@ func EnsureStream(ctx context.Context, js jetstream.JetStream, name, prefix stri
 		Name:       name,
 		Subjects:   []string{prefix + "ride.>"},
 		Storage:    jetstream.FileStorage,
-		Duplicates: 10 * time.Minute,
+		Duplicates: DuplicateWindow,
 	})
 }
 
