@@ -11,7 +11,8 @@ var (
 	// match it also match outbox.ErrInvalidConfig.
 	ErrInvalidConfig error = &sentinel{"webhook: invalid configuration", outbox.ErrInvalidConfig}
 
-	// ErrInvalidSignature: VerifySignature found no valid signature.
+	// ErrInvalidSignature: Verify found no valid signature on a call, or its
+	// timestamp is too far from the receiver's clock.
 	ErrInvalidSignature = errors.New("webhook: invalid signature")
 )
 

@@ -4,9 +4,6 @@ package webhook
 import (
 	"bytes"
 	"context"
-	"crypto/hmac"
-	"crypto/sha256"
-	"encoding/hex"
 	"fmt"
 	"io"
 	"math"
@@ -26,10 +23,13 @@ const (
 	// sf-string ("\"0193...\"", as the IETF Idempotency-Key draft asks): the
 	// same on every retry of a message, so receivers deduplicate on it.
 	HeaderIdempotencyKey = "Idempotency-Key"
+	// HeaderWebhookID carries the message's id, the UUID without quotes
+	// (Standard Webhooks' webhook-id).
+	HeaderWebhookID = "Webhook-Id"
 	// HeaderWebhookTimestamp carries the send time in Unix seconds.
 	HeaderWebhookTimestamp = "Webhook-Timestamp"
-	// HeaderWebhookSignature carries "v1=" and the hex HMAC-SHA256, keyed
-	// with the shared secret, of the timestamp, ".", and the body.
+	// HeaderWebhookSignature carries the Standard Webhooks signatures, one
+	// "v1,<base64>" per secret, separated by spaces (see Verify).
 	HeaderWebhookSignature = "Webhook-Signature"
 	// HeaderWebhookTopic carries the message's topic.
 	HeaderWebhookTopic = "Webhook-Topic"
@@ -40,9 +40,13 @@ type Config struct {
 	// URL receives one POST per message. Required; http or https.
 	URL string
 
-	// Secret keys the HMAC-SHA256 signature of every call. Required: share
-	// it with the receiver, which checks calls with VerifySignature.
-	Secret []byte
+	// Secrets sign every call, each in Standard Webhooks form: "whsec_"
+	// and the standard base64 of 24 to 64 random bytes (NewSecret makes
+	// one). Required. Share them with the receiver, which checks calls with
+	// Verify or any Standard Webhooks library. The call carries one
+	// signature per secret: to rotate, add the new secret, move receivers
+	// to it, then remove the old one.
+	Secrets []string
 
 	// Client sends the calls. Default: a client that does not follow
 	// redirects (a redirect is answered as the 3xx status it is).
@@ -65,10 +69,13 @@ type Config struct {
 //
 // The request body is the payload. The message's headers become request
 // headers, then the publisher sets Content-Type (application/octet-stream,
-// unless the message has its own), Idempotency-Key (the message id),
-// Webhook-Topic, Webhook-Timestamp (Unix seconds) and Webhook-Signature:
+// unless the message has its own), Idempotency-Key (the message id as an
+// sf-string), Webhook-Topic, and the Standard Webhooks headers webhook-id
+// (the message id), webhook-timestamp (Unix seconds) and webhook-signature:
 //
-//	"v1=" + hex(HMAC-SHA256(Secret, timestamp + "." + body))
+//	v1,<base64(HMAC-SHA256(key, webhook-id + "." + webhook-timestamp + "." + body))>
+//
+// for each secret's key, separated by spaces.
 //
 // A 2xx answer is success. 408, 409, 423, 425, 429 and 5xx answers,
 // timeouts and network errors are retried, no sooner than a Retry-After
@@ -78,7 +85,7 @@ type Config struct {
 // the first 1 KiB of the response body in last_error.
 type Publisher struct {
 	url    string
-	secret []byte
+	keys   [][]byte
 	client *http.Client
 	cfg    Config
 	now    func() time.Time
@@ -88,13 +95,21 @@ type Publisher struct {
 func New(cfg Config) (*Publisher, error) {
 	u, err := url.Parse(cfg.URL)
 	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
-		return nil, fmt.Errorf("%w: webhook URL %q is not an absolute http(s) URL", ErrInvalidConfig, cfg.URL)
+		return nil, fmt.Errorf("%w: URL %q is not an absolute http(s) URL", ErrInvalidConfig, cfg.URL)
 	}
-	if len(cfg.Secret) == 0 {
-		return nil, fmt.Errorf("%w: webhook Secret is empty", ErrInvalidConfig)
+	if len(cfg.Secrets) == 0 {
+		return nil, fmt.Errorf("%w: no Secrets", ErrInvalidConfig)
+	}
+	keys := make([][]byte, len(cfg.Secrets))
+	for i, secret := range cfg.Secrets {
+		key, err := parseSecret(secret)
+		if err != nil {
+			return nil, fmt.Errorf("%w: Secrets[%d]: %w", ErrInvalidConfig, i, err)
+		}
+		keys[i] = key
 	}
 	if cfg.Timeout < 0 || cfg.Concurrency < 0 {
-		return nil, fmt.Errorf("%w: negative webhook Timeout or Concurrency", ErrInvalidConfig)
+		return nil, fmt.Errorf("%w: negative Timeout or Concurrency", ErrInvalidConfig)
 	}
 	if cfg.Timeout == 0 {
 		cfg.Timeout = TimeoutDefault
@@ -108,11 +123,10 @@ func New(cfg Config) (*Publisher, error) {
 			CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse },
 		}
 	}
-	secret := bytes.Clone(cfg.Secret)
-	cfg.Secret = nil
+	cfg.Secrets = nil // kept only as keys
 	return &Publisher{
 		url:    cfg.URL,
-		secret: secret,
+		keys:   keys,
 		client: client,
 		cfg:    cfg,
 		now:    time.Now,
@@ -154,11 +168,13 @@ func (p *Publisher) call(ctx context.Context, e *outbox.Envelope) error {
 	if req.Header.Get("Content-Type") == "" {
 		req.Header.Set("Content-Type", "application/octet-stream")
 	}
+	id := e.ID.String()
 	ts := strconv.FormatInt(p.now().Unix(), 10)
-	req.Header.Set(HeaderIdempotencyKey, `"`+e.ID.String()+`"`) // an RFC 9651 sf-string
+	req.Header.Set(HeaderIdempotencyKey, `"`+id+`"`) // an RFC 9651 sf-string
 	req.Header.Set(HeaderWebhookTopic, e.Topic)
+	req.Header.Set(HeaderWebhookID, id)
 	req.Header.Set(HeaderWebhookTimestamp, ts)
-	req.Header.Set(HeaderWebhookSignature, "v1="+hex.EncodeToString(sign(p.secret, ts, e.Payload)))
+	req.Header.Set(HeaderWebhookSignature, signatureHeader(p.keys, id, ts, e.Payload))
 
 	resp, err := p.client.Do(req)
 	if err != nil {
@@ -214,49 +230,4 @@ func parseRetryAfter(v string, now time.Time) (time.Duration, bool) {
 		return max(at.Sub(now), 0), true
 	}
 	return 0, false
-}
-
-func sign(secret []byte, timestamp string, body []byte) []byte {
-	mac := hmac.New(sha256.New, secret)
-	mac.Write([]byte(timestamp))
-	mac.Write([]byte{'.'})
-	mac.Write(body)
-	return mac.Sum(nil)
-}
-
-// VerifySignature checks a webhook call for a receiver: timestamp is
-// the Webhook-Timestamp header, body the raw request body, and header the
-// Webhook-Signature header. It returns nil when header holds a "v1="
-// signature (several may be listed, separated by spaces or commas, as while
-// a secret is rotated) that matches secret, and an error matching
-// ErrInvalidSignature otherwise. The comparison takes constant time.
-//
-// The signature proves the sender knows the secret and that body and
-// timestamp are unchanged. Receivers should also reject timestamps far from
-// their clock (say, more than five minutes) against replays, and deduplicate
-// on the Idempotency-Key header, which repeats when a message is redelivered.
-func VerifySignature(secret []byte, timestamp string, body []byte, header string) error {
-	if len(secret) == 0 {
-		return fmt.Errorf("%w: empty secret", ErrInvalidSignature)
-	}
-	if _, err := strconv.ParseInt(timestamp, 10, 64); err != nil {
-		return fmt.Errorf("%w: timestamp %q is not Unix seconds", ErrInvalidSignature, timestamp)
-	}
-	want := sign(secret, timestamp, body)
-	found := false
-	for field := range strings.FieldsFuncSeq(header, func(r rune) bool { return r == ' ' || r == ',' }) {
-		sig, ok := strings.CutPrefix(field, "v1=")
-		if !ok {
-			continue
-		}
-		found = true
-		got, err := hex.DecodeString(sig)
-		if err == nil && hmac.Equal(got, want) {
-			return nil
-		}
-	}
-	if !found {
-		return fmt.Errorf("%w: no v1 signature in header", ErrInvalidSignature)
-	}
-	return fmt.Errorf("%w: signature does not match", ErrInvalidSignature)
 }
