@@ -101,9 +101,6 @@ func (r *Results) Err(i int) error {
 	return r.errs[i]
 }
 
-// Len returns the number of messages.
-func (r *Results) Len() int { return len(r.errs) }
-
 // Stopping returns a channel that is closed when the relay starts to stop:
 // send no further message of this call.
 func (r *Results) Stopping() <-chan struct{} { return r.stopping }

@@ -52,7 +52,11 @@ type Config struct {
 	// successive waits never shrink. Default: 1 second.
 	RetryBaseDelay time.Duration
 
-	// RetryMaxDelay caps the retry wait. Default: 10 minutes.
+	// RetryMaxDelay caps the retry wait, a delay a publisher asks for with
+	// RetryAfter (a webhook's Retry-After) included. With PublishTimeout
+	// and PollInterval it bounds the time between two publish attempts of a
+	// message (RelayLimits.RepublishInterval, 10m21s by default), which a
+	// broker's deduplication window must cover. Default: 10 minutes.
 	RetryMaxDelay time.Duration
 
 	// DisableNotify turns off LISTEN/NOTIFY wake-ups: the relay only polls,
