@@ -7,7 +7,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
-	"net/url"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -19,6 +18,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
+	"github.com/atomicphase/atomicphase/internal/connstr"
 	"github.com/atomicphase/atomicphase/internal/pgtest"
 )
 
@@ -60,15 +60,14 @@ func TestRunHelpPrintsUsageAndExitsZero(t *testing.T) {
 	require.Empty(t, stderr.String())
 }
 
-// schemaURL returns the test server's URL with search_path set to schema.
+// schemaURL returns the test server's connection string, in whichever form
+// it has (a URL, or keyword/value pairs for a throwaway cluster), with
+// search_path set to schema.
 func schemaURL(t *testing.T, server, schema string) string {
 	t.Helper()
-	u, err := url.Parse(server)
+	s, err := connstr.WithSearchPath(server, schema)
 	require.NoError(t, err)
-	q := u.Query()
-	q.Set("options", "-csearch_path="+schema)
-	u.RawQuery = q.Encode()
-	return u.String()
+	return s
 }
 
 // buildReaper builds the command into dir.

@@ -38,14 +38,18 @@ func TestMain(m *testing.M) {
 		}
 		srv, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: -1, JetStream: true, StoreDir: dir, NoSigs: true})
 		if err != nil {
+			_ = os.RemoveAll(dir)
 			panic(err)
 		}
+		// pgtest.Main ends the process with os.Exit, so a deferred call
+		// would never run: stop the server in its exit hook, before goleak
+		// looks for leftover goroutines.
+		pgtest.AtExit(func() { srv.Shutdown(); srv.WaitForShutdown(); _ = os.RemoveAll(dir) })
 		go srv.Start()
 		if !srv.ReadyForConnections(10 * time.Second) {
 			panic("nats did not start")
 		}
 		natsURL = srv.ClientURL()
-		defer func() { srv.Shutdown(); srv.WaitForShutdown(); _ = os.RemoveAll(dir) }()
 	}
 	pgtest.Main(m)
 }

@@ -5,14 +5,14 @@ import (
 	"fmt"
 	"net"
 	"net/http"
-	"net/url"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strconv"
-	"strings"
 	"syscall"
 	"time"
+
+	"github.com/atomicphase/atomicphase/internal/connstr"
 )
 
 // stack runs the provider and the service as real processes.
@@ -48,20 +48,10 @@ func buildBinaries(ctx context.Context, dir string) (service, provider string, e
 	return service, provider, nil
 }
 
-// withSearchPath returns dbURL with search_path set to schema for every
-// connection, in URL or keyword/value form.
+// withSearchPath returns dbURL, in URL or keyword/value form, with
+// search_path set to schema for every connection.
 func withSearchPath(dbURL, schema string) (string, error) {
-	if strings.Contains(dbURL, "://") {
-		u, err := url.Parse(dbURL)
-		if err != nil {
-			return "", err
-		}
-		q := u.Query()
-		q.Set("options", "-csearch_path="+schema)
-		u.RawQuery = q.Encode()
-		return u.String(), nil
-	}
-	return dbURL + " options='-csearch_path=" + schema + "'", nil
+	return connstr.WithSearchPath(dbURL, schema)
 }
 
 func freeAddr() (string, error) {
