@@ -3,6 +3,7 @@ package cleanup_test
 import (
 	"context"
 	"log/slog"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -291,7 +292,9 @@ func TestCleanerStartRunsRoundsUntilStop(t *testing.T) {
 	seed(t, d, 100)
 	c := newCleaner(t, d, cleanup.Config{Interval: 20 * time.Millisecond})
 	require.NoError(t, c.Start(ctx))
-	require.ErrorIs(t, c.Start(ctx), cleanup.ErrAlreadyStarted)
+	err := c.Start(ctx)
+	require.ErrorIs(t, err, cleanup.ErrAlreadyStarted)
+	requireOnePrefix(t, err)
 	require.Eventually(t, func() bool {
 		return d.Count(t, `SELECT count(*) FROM idempotency_keys`) == 100-d.Count(t, `SELECT count(*) FROM expected_gone WHERE kind = 'key'`)
 	}, 10*time.Second, 10*time.Millisecond)
@@ -307,6 +310,7 @@ func TestNewValidatesExpiryWindow(t *testing.T) {
 	pool := pgtest.Pool(t)
 	_, err := cleanup.New(nil, nil)
 	require.ErrorIs(t, err, cleanup.ErrInvalidConfig)
+	requireOnePrefix(t, err)
 	for name, cfg := range map[string]cleanup.Config{
 		"ttl under a day":    {TTL: 23 * time.Hour},
 		"ttl over a week":    {TTL: 7*24*time.Hour + time.Second},
@@ -318,9 +322,18 @@ func TestNewValidatesExpiryWindow(t *testing.T) {
 	} {
 		_, err := cleanup.New(pool, &cfg)
 		require.ErrorIs(t, err, cleanup.ErrInvalidConfig, name)
+		requireOnePrefix(t, err)
 	}
 	for _, ttl := range []time.Duration{0, cleanup.MinTTL, 72 * time.Hour, cleanup.MaxTTL} {
 		_, err := cleanup.New(pool, &cleanup.Config{TTL: ttl})
 		require.NoError(t, err)
 	}
+}
+
+// requireOnePrefix asserts the error names the package once, as in
+// "cleanup: new: invalid config: ...", never "cleanup: new: cleanup: ...".
+func requireOnePrefix(t *testing.T, err error) {
+	t.Helper()
+	require.Equal(t, 1, strings.Count(err.Error(), "cleanup:"), err.Error())
+	require.True(t, strings.HasPrefix(err.Error(), "cleanup: "), err.Error())
 }

@@ -47,5 +47,5 @@ func ExampleNew_invalidTTL() {
 	_, err = cleanup.New(pool, &cleanup.Config{TTL: time.Hour})
 	fmt.Println(err)
 	// Output:
-	// cleanup: new: cleanup: invalid config: TTL 1h0m0s is outside the expiry window of 24h0m0s to 168h0m0s
+	// cleanup: new: invalid config: TTL 1h0m0s is outside the expiry window of 24h0m0s to 168h0m0s
 }
