@@ -108,6 +108,23 @@ func providerCharges(t *testing.T, st *stack) int {
 	return len(out.Charges)
 }
 
+// poll calls cond in the test's own goroutine until it returns true, and
+// fails the test if that takes longer than timeout. Unlike require.Eventually
+// and require.Never, it leaves no condition running when it returns: Never
+// returns on its timer while its last check may still be in flight, and such
+// a check once outlived the test, met the NATS connection the test's cleanup
+// had closed, and failed the test with "nats: connection closed".
+func poll(t *testing.T, timeout time.Duration, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("after %v: %s did not happen", timeout, what)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
 func streamMsgs(t *testing.T, stream jetstream.Stream) uint64 {
 	t.Helper()
 	info, err := stream.Info(context.Background())
@@ -139,17 +156,17 @@ func TestSIGKILLBetweenChargeAndFinalPhase(t *testing.T) {
 
 			require.NoError(t, st.startService(ctx))
 			if name == "resumer finishes" {
-				require.Eventually(t, func() bool {
+				poll(t, 30*time.Second, "the resumer finished the ride", func() bool {
 					return d.Count(t, `SELECT count(*) FROM idempotency_keys WHERE status = 'finished'`) == 1
-				}, 30*time.Second, 100*time.Millisecond, "the resumer finished the ride")
+				})
 			}
 			var status int
 			var body []byte
 			var header http.Header
-			require.Eventually(t, func() bool {
+			poll(t, 30*time.Second, "the retry got an answer other than 409", func() bool {
 				status, body, header, err = postRide(st, "ride-key-1")
 				return err == nil && status != http.StatusConflict // 409 until the dead holder's lease expires
-			}, 30*time.Second, 200*time.Millisecond)
+			})
 			require.Equal(t, http.StatusCreated, status, string(body))
 			var created rides.Created
 			require.NoError(t, json.Unmarshal(body, &created))
@@ -161,8 +178,13 @@ func TestSIGKILLBetweenChargeAndFinalPhase(t *testing.T) {
 			require.Equal(t, 1, providerCharges(t, st), "one charge at the provider")
 			require.Equal(t, 1, d.Count(t, `SELECT count(*) FROM rides`))
 			require.Equal(t, 1, d.Count(t, `SELECT count(*) FROM rides WHERE status = 'charged' AND charge_id = $1`, created.ChargeID))
-			require.Eventually(t, func() bool { return streamMsgs(t, stream) == 1 }, 30*time.Second, 100*time.Millisecond)
-			require.Never(t, func() bool { return streamMsgs(t, stream) > 1 }, time.Second, 100*time.Millisecond, "the receipt is published once")
+			// Once the relay has marked the receipt published it never
+			// publishes it again, so the stream's count is final.
+			poll(t, 30*time.Second, "the relay published the receipt", func() bool {
+				return d.Count(t, `SELECT count(*) FROM outbox_messages WHERE published_at IS NOT NULL`) == 1
+			})
+			require.Equal(t, 1, d.Count(t, `SELECT count(*) FROM outbox_messages`), "one receipt staged")
+			require.Equal(t, uint64(1), streamMsgs(t, stream), "the receipt is published once")
 		})
 	}
 }
