@@ -5,16 +5,10 @@ import (
 	"embed"
 	"errors"
 	"fmt"
-	"hash/fnv"
-	"io/fs"
-	"sort"
-	"strconv"
-	"strings"
 
 	"github.com/jackc/pgx/v5/pgxpool"
-	"github.com/jackc/pgx/v5/stdlib"
-	"github.com/pressly/goose/v3"
-	"github.com/pressly/goose/v3/lock"
+
+	"github.com/atomicphase/atomicphase/internal/pgerr"
 )
 
 // FS holds the migration files, for goose or any other runner.
@@ -26,43 +20,78 @@ var FS embed.FS
 // Pass it to the goose CLI with -table.
 const TableName = "atomicphase_goose_db_version"
 
-// lockID returns the session advisory lock taken while migrating schema, so
-// that several processes starting at once apply each migration once. It is
-// derived from the schema, so migrating one schema never waits on another,
-// and differs from goose's default lock, so the host application's own
-// migrations do not wait on ours.
-func lockID(schema string) int64 {
-	h := fnv.New64a()
-	h.Write([]byte("atomicphase/migrations\x00" + schema))
-	return int64(h.Sum64() &^ (1 << 63))
-}
+// hostTableName is goose's default version table, which the host
+// application's own migrations use.
+const hostTableName = "goose_db_version"
 
-// ErrSchemaBehind reports that the database lacks migrations this build needs.
-var ErrSchemaBehind = errors.New("migrations: database schema is behind")
-
-// Up applies every pending migration, holding an advisory lock so concurrent
-// callers do not race. It is safe to call at every process start.
+// Up applies every pending migration. It is safe to call at every process
+// start, from any number of processes at once, and beside the goose CLI:
+//
+//   - All pending migrations are applied in one transaction, with their
+//     version rows: a failure leaves the schema as it was.
+//   - Callers of Up and DownTo on the same schema take turns (a
+//     transaction-scoped advisory lock, so it works through a
+//     transaction-pooling PgBouncer).
+//   - While it migrates, Up holds the version table locked: a goose CLI
+//     started meanwhile waits, then finds nothing to do.
+//   - The goose CLI takes no lock. When Up meets one at work (its version
+//     row not yet committed, or an object it is creating), Up rolls back,
+//     waits until the version table has been quiet for a moment, and tries
+//     again, finding the CLI's migrations applied.
+//
+// It fails with [ErrWrongVersionTable] when the tables exist but were
+// recorded in another version table (a goose CLI run without -table).
 func Up(ctx context.Context, pool *pgxpool.Pool) error {
-	p, closeFn, err := newProvider(ctx, pool)
+	if pool == nil {
+		return errors.New("migrations: up: pool is nil")
+	}
+	ms, err := embedded()
 	if err != nil {
 		return err
 	}
-	defer closeFn()
-	if _, err := p.Up(ctx); err != nil {
+	if err := retry(ctx, pool, func(ctx context.Context) error { return upOnce(ctx, pool, ms) }); err != nil {
 		return fmt.Errorf("migrations: up: %w", err)
 	}
 	return nil
 }
 
-// DownTo rolls the schema back to version (0 removes every table).
-// Rolling back drops data: it is meant for development and tests.
-func DownTo(ctx context.Context, pool *pgxpool.Pool, version int64) error {
-	p, closeFn, err := newProvider(ctx, pool)
+// DownOption changes what DownTo may do.
+type DownOption func(*downOptions)
+
+type downOptions struct {
+	allowDataLoss bool
+}
+
+// AllowDataLoss lets DownTo roll back migrations that delete rows: without
+// it, a rollback that would drop a table holding rows (stored responses,
+// unsent messages) fails with [ErrDataLossRefused] and changes nothing. It
+// sets atomicphase.allow_data_loss = on for the rollback's transaction only.
+func AllowDataLoss() DownOption {
+	return func(o *downOptions) { o.allowDataLoss = true }
+}
+
+// DownTo rolls the schema back to version (0 removes every table), in one
+// transaction. A rollback that would delete rows is refused with
+// [ErrDataLossRefused] unless [AllowDataLoss] is given; rolling back empty
+// tables needs no option. Rolling back is meant for development and tests,
+// and for undoing a failed deploy before any traffic.
+func DownTo(ctx context.Context, pool *pgxpool.Pool, version int64, opts ...DownOption) error {
+	if pool == nil {
+		return errors.New("migrations: down: pool is nil")
+	}
+	var o downOptions
+	for _, opt := range opts {
+		opt(&o)
+	}
+	ms, err := embedded()
 	if err != nil {
 		return err
 	}
-	defer closeFn()
-	if _, err := p.DownTo(ctx, version); err != nil {
+	err = retry(ctx, pool, func(ctx context.Context) error { return downOnce(ctx, pool, ms, version, o) })
+	if pgerr.Code(err) == pgerr.DataLossRefused {
+		return fmt.Errorf("migrations: down to %d: %w: %w", version, ErrDataLossRefused, err)
+	}
+	if err != nil {
 		return fmt.Errorf("migrations: down to %d: %w", version, err)
 	}
 	return nil
@@ -70,79 +99,39 @@ func DownTo(ctx context.Context, pool *pgxpool.Pool, version int64) error {
 
 // Check returns nil when the database has every migration this build embeds,
 // and an error wrapping [ErrSchemaBehind] naming the first missing one
-// otherwise. It only reads: it creates nothing, not even goose's table.
+// otherwise, or [ErrWrongVersionTable] when the tables exist but another
+// version table records them. It only reads: it creates nothing, not even
+// the version table, and takes no lock.
 func Check(ctx context.Context, pool *pgxpool.Pool) error {
 	if pool == nil {
-		return errors.New("migrations: pool is nil")
+		return errors.New("migrations: check: pool is nil")
 	}
-	applied := map[int64]bool{}
-	var exists bool
-	if err := pool.QueryRow(ctx, "SELECT to_regclass($1) IS NOT NULL", TableName).Scan(&exists); err != nil {
-		return fmt.Errorf("migrations: check: %w", err)
-	}
-	if exists {
-		rows, err := pool.Query(ctx, "SELECT version_id, is_applied FROM "+TableName+" ORDER BY id")
-		if err != nil {
-			return fmt.Errorf("migrations: check: %w", err)
-		}
-		for rows.Next() {
-			var v int64
-			var ok bool
-			if err := rows.Scan(&v, &ok); err != nil {
-				return fmt.Errorf("migrations: check: %w", err)
-			}
-			applied[v] = ok // the latest row for a version decides
-		}
-		if err := rows.Err(); err != nil {
-			return fmt.Errorf("migrations: check: %w", err)
-		}
-	}
-	files, err := fs.Glob(FS, "*.sql")
+	ms, err := embedded()
 	if err != nil {
 		return err
 	}
-	sort.Strings(files)
-	for _, name := range files {
-		prefix, _, _ := strings.Cut(name, "_")
-		version, err := strconv.ParseInt(prefix, 10, 64)
-		if err != nil {
-			return fmt.Errorf("migrations: file %s has no version prefix", name)
+	conn, err := pool.Acquire(ctx)
+	if err != nil {
+		return fmt.Errorf("migrations: check: %w", err)
+	}
+	defer conn.Release()
+	schema, err := currentSchema(ctx, conn.Conn())
+	if err != nil {
+		return fmt.Errorf("migrations: check: %w", err)
+	}
+	applied, _, err := readApplied(ctx, conn.Conn(), schema)
+	if err != nil {
+		return fmt.Errorf("migrations: check: %w", err)
+	}
+	for _, m := range ms {
+		if applied[m.version] {
+			continue
 		}
-		if !applied[version] {
-			return fmt.Errorf("%w: migration %s (version %d) is not applied; run goose -table %s up",
-				ErrSchemaBehind, name, version, TableName)
+		if err := checkVersionTable(ctx, conn.Conn(), schema, ms, applied); err != nil {
+			return fmt.Errorf("migrations: check: %w", err)
 		}
+		return fmt.Errorf("migrations: check: %w: migration %s (version %d) is not applied; run migrations.Up, or goose -table %s up",
+			ErrSchemaBehind, m.name, m.version, TableName)
 	}
 	return nil
-}
-
-func newProvider(ctx context.Context, pool *pgxpool.Pool) (*goose.Provider, func(), error) {
-	if pool == nil {
-		return nil, nil, errors.New("migrations: pool is nil")
-	}
-	var schema string
-	if err := pool.QueryRow(ctx, "SELECT coalesce(current_schema(), '')").Scan(&schema); err != nil {
-		return nil, nil, fmt.Errorf("migrations: current schema: %w", err)
-	}
-	// Poll for the lock every second, for up to five minutes.
-	locker, err := lock.NewPostgresSessionLocker(lock.WithLockID(lockID(schema)), lock.WithLockTimeout(1, 300))
-	if err != nil {
-		return nil, nil, fmt.Errorf("migrations: locker: %w", err)
-	}
-	sqlDB := stdlib.OpenDBFromPool(pool)
-	fsys, err := fs.Sub(FS, ".")
-	if err != nil {
-		_ = sqlDB.Close()
-		return nil, nil, err
-	}
-	p, err := goose.NewProvider(goose.DialectPostgres, sqlDB, fsys,
-		goose.WithTableName(TableName),
-		goose.WithSessionLocker(locker),
-		goose.WithDisableGlobalRegistry(true),
-	)
-	if err != nil {
-		_ = sqlDB.Close()
-		return nil, nil, fmt.Errorf("migrations: %w", err)
-	}
-	return p, func() { _ = sqlDB.Close() }, nil
 }

@@ -30,6 +30,15 @@ func tables(t *testing.T, d *pgtest.DB) []string {
 	return names
 }
 
+// files returns the embedded migration file names.
+func files(t *testing.T) []string {
+	t.Helper()
+	names, err := fs.Glob(migrations.FS, "*.sql")
+	require.NoError(t, err)
+	require.NotEmpty(t, names)
+	return names
+}
+
 func TestUpUsesItsOwnVersionTable(t *testing.T) {
 	t.Parallel()
 	d := pgtest.New(t) // migrated with migrations.Up
@@ -75,9 +84,7 @@ func TestConcurrentUpAppliesEachMigrationOnce(t *testing.T) {
 	for err := range errs {
 		require.NoError(t, err)
 	}
-	files, err := fs.Glob(migrations.FS, "*.sql")
-	require.NoError(t, err)
-	require.Equal(t, len(files), d.Count(t, `SELECT count(*) FROM `+migrations.TableName+` WHERE version_id > 0 AND is_applied`))
+	require.Equal(t, len(files(t)), d.Count(t, `SELECT count(*) FROM `+migrations.TableName+` WHERE version_id > 0 AND is_applied`))
 }
 
 func TestSchemaRejectsInvalidRowsItself(t *testing.T) {

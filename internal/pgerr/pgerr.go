@@ -23,6 +23,12 @@ const (
 	UndefinedTable       = "42P01"
 	DivisionByZero       = "22012"
 	InFailedTransaction  = "25P02"
+	DuplicateTable       = "42P07"
+	DuplicateObject      = "42710"
+	DuplicateFunction    = "42723"
+	// DataLossRefused is raised by atomicphase_refuse_data_loss (migration
+	// 00003) when a down migration would delete rows without the opt-in.
+	DataLossRefused = "AP001"
 )
 
 // Code returns the SQLSTATE of err, or "" when err carries none.

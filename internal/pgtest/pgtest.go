@@ -29,6 +29,7 @@ import (
 	tcpostgres "github.com/testcontainers/testcontainers-go/modules/postgres"
 	"go.uber.org/goleak"
 
+	"github.com/atomicphase/atomicphase/internal/connstr"
 	"github.com/atomicphase/atomicphase/internal/pgcluster"
 	"github.com/atomicphase/atomicphase/migrations"
 )
@@ -150,14 +151,36 @@ func startContainer(ctx context.Context) (string, func(), error) {
 	return url, func() { _ = c.Terminate(context.Background()) }, nil
 }
 
-// DB is one test's isolated schema on the shared server.
+// DB is one test's isolated schema on the shared server: a schema of its
+// own in the shared database (New), or the public schema of a database of
+// its own (NewDatabase).
 type DB struct {
-	// Pool is connected with search_path set to Schema only.
+	// Pool is connected to the test's schema.
 	Pool *pgxpool.Pool
-	// Schema is the test's schema, dropped when the test ends.
+	// Schema is the test's schema: its own, dropped when the test ends, or
+	// public in a database of its own.
 	Schema string
-	// URL is the server's connection string (without the search_path).
+	// URL is the connection string of the shared database (for New), or of
+	// the test's database (for NewDatabase), without any search_path.
 	URL string
+	// Database is the test's own database, dropped when the test ends; ""
+	// for a schema in the shared database.
+	Database string
+}
+
+// ConnString returns a connection string for the test's schema, in the
+// form of a keyword/value string whatever the form of the server's (see
+// internal/connstr), to hand to another process.
+func (d *DB) ConnString(tb testing.TB) string {
+	tb.Helper()
+	if d.Database != "" {
+		return d.URL
+	}
+	s, err := connstr.WithSearchPath(d.URL, d.Schema)
+	if err != nil {
+		tb.Fatalf("pgtest: connection string: %v", err)
+	}
+	return s
 }
 
 // New creates a schema for the test, applies the migrations in it, and
@@ -199,6 +222,65 @@ func New(tb testing.TB) *DB {
 	return d
 }
 
+// NewDatabase creates a database of the test's own, applies the migrations
+// in its public schema, and returns it; the database is dropped (its
+// connections ended) at cleanup. Use it where a schema cannot be chosen per
+// connection: behind PgBouncer, which does not pass search_path on, or for
+// tools that connect with a plain connection string.
+func NewDatabase(tb testing.TB) *DB {
+	tb.Helper()
+	d := newDatabase(tb)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	if err := migrations.Up(ctx, d.Pool); err != nil {
+		tb.Fatalf("pgtest: migrate: %v", err)
+	}
+	return d
+}
+
+// NewEmptyDatabase is NewDatabase without the migrations.
+func NewEmptyDatabase(tb testing.TB) *DB {
+	tb.Helper()
+	return newDatabase(tb)
+}
+
+func newDatabase(tb testing.TB) *DB {
+	tb.Helper()
+	server := ServerURL(tb)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	name := "apt_" + randomHex(6)
+	admin, err := pgx.Connect(ctx, server)
+	if err != nil {
+		tb.Fatalf("pgtest: connect: %v", err)
+	}
+	defer admin.Close(context.Background())
+	if _, err := admin.Exec(ctx, "CREATE DATABASE "+name); err != nil {
+		tb.Fatalf("pgtest: create database: %v", err)
+	}
+	tb.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		conn, err := pgx.Connect(ctx, server)
+		if err != nil {
+			tb.Errorf("pgtest: drop database: %v", err)
+			return
+		}
+		defer conn.Close(context.Background())
+		// FORCE ends the connections a pooler may still hold to it.
+		if _, err := conn.Exec(ctx, "DROP DATABASE "+name+" WITH (FORCE)"); err != nil {
+			tb.Errorf("pgtest: drop database: %v", err)
+		}
+	})
+	url, err := connstr.Edit(server, func(c *pgx.ConnConfig) { c.Database = name })
+	if err != nil {
+		tb.Fatalf("pgtest: connection string: %v", err)
+	}
+	d := &DB{Schema: "public", URL: url, Database: name}
+	d.Pool = d.NewPool(tb, nil)
+	return d
+}
+
 // Pool is shorthand for New(tb).Pool.
 func Pool(tb testing.TB) *pgxpool.Pool {
 	tb.Helper()
@@ -214,7 +296,9 @@ func (d *DB) NewPool(tb testing.TB, configure func(*pgxpool.Config)) *pgxpool.Po
 	if err != nil {
 		tb.Fatalf("pgtest: parse url: %v", err)
 	}
-	cfg.ConnConfig.RuntimeParams["search_path"] = d.Schema
+	if d.Database == "" {
+		cfg.ConnConfig.RuntimeParams["search_path"] = d.Schema
+	}
 	cfg.MaxConns = 20
 	if configure != nil {
 		configure(cfg)
