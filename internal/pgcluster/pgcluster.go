@@ -153,6 +153,11 @@ func (c *Cluster) run(ctx context.Context, name string, args ...string) error {
 	return nil
 }
 
+// UnprivilegedCredential returns the user (postgres, else nobody) to run
+// server programs as when this process runs as root, which PostgreSQL and
+// PgBouncer refuse to run as.
+func UnprivilegedCredential() (*syscall.Credential, error) { return unprivilegedCredential() }
+
 func unprivilegedCredential() (*syscall.Credential, error) {
 	for _, name := range []string{"postgres", "nobody"} {
 		u, err := user.Lookup(name)
