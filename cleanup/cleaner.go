@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/atomicphase/atomicphase/internal/db"
@@ -29,7 +30,8 @@ const lockClass int32 = 0x6170636c
 // Config configures a Cleaner. The zero value is usable; every field states
 // its default.
 type Config struct {
-	// Logger receives round summaries and unlock failures, with snake_case
+	// Logger receives round summaries, and a warning for each round skipped
+	// because another cleaner held the cleanup lock, with snake_case
 	// attributes. Default: slog.Default().
 	Logger *slog.Logger
 
@@ -60,13 +62,15 @@ type Report struct {
 	// Batches counts the delete transactions that removed at least one row;
 	// none removed more than Config.BatchSize.
 	Batches int
-	// Skipped is true when another cleaner held the cleanup lock, so this
-	// round deleted nothing.
+	// Skipped is true when the round stopped because another cleaner held
+	// the cleanup lock (it is deleting the same rows); the counts say what
+	// this round deleted before that.
 	Skipped bool
 }
 
 // Cleaner deletes expired keys and outbox messages. It is safe for
-// concurrent use; across processes, one cleaner deletes at a time.
+// concurrent use; across processes, one cleaner deletes at a time (a batch
+// takes the cleanup lock; a round that finds it held stops).
 type Cleaner struct {
 	pool *pgxpool.Pool
 	cfg  Config
@@ -103,90 +107,90 @@ func New(pool *pgxpool.Pool, cfg *Config) (*Cleaner, error) {
 	return &Cleaner{pool: pool, cfg: c, log: c.Logger}, nil
 }
 
-// RunOnce runs one round: unless another cleaner holds the cleanup lock
-// (then it returns a report with Skipped set), it deletes expired keys and
-// then expired outbox messages, a batch per transaction, until a batch comes
-// back short. If ctx ends, the round stops after the batch in flight (which
-// gets up to 5 seconds to commit, else is rolled back), and the error wraps
-// ctx's error; the report counts exactly the rows deleted.
+// RunOnce runs one round: it deletes expired keys and then expired outbox
+// messages, a batch per transaction, until a batch comes back short. Each
+// batch's transaction first takes the cleanup lock (a transaction-scoped
+// advisory lock, so nothing outlives the transaction on a pooled
+// connection); when another cleaner holds it, the round stops there, logs a
+// warning, and returns a report with Skipped set: the other cleaner is
+// deleting the same rows. If ctx ends, the round stops after the batch in
+// flight (which gets up to 5 seconds to commit, else is rolled back), and
+// the error wraps ctx's error; the report counts exactly the rows deleted.
 func (c *Cleaner) RunOnce(ctx context.Context) (rep Report, err error) {
-	conn, err := c.pool.Acquire(ctx)
-	if err != nil {
-		return rep, wrap(ctx, "acquire connection", err)
-	}
-	defer conn.Release()
-	q := db.New(conn)
-	locked, err := q.TryLockCleanup(ctx, lockClass)
-	if err != nil {
-		return rep, wrap(ctx, "take cleanup lock", err)
-	}
-	if !locked {
-		return Report{Skipped: true}, nil
-	}
-	defer func() {
-		uctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
-		defer cancel()
-		if ok, err := q.UnlockCleanup(uctx, lockClass); err != nil || !ok {
-			// Never hand a session that may still hold the lock back to the pool.
-			if err != nil && !conn.Conn().IsClosed() {
-				c.log.WarnContext(ctx, "cleanup lock release failed; closing its connection", "error", err)
-			}
-			_ = conn.Conn().Close(uctx)
-		}
-	}()
-
-	for {
-		if err := ctx.Err(); err != nil {
-			return rep, wrap(ctx, "delete expired keys", err)
-		}
-		n, err := inBatch(ctx, func(ctx context.Context) (int64, error) {
+	steps := []struct {
+		op      string
+		deleted *int64
+		del     func(context.Context, *db.Queries) (int64, error)
+	}{
+		{"delete expired keys", &rep.KeysDeleted, func(ctx context.Context, q *db.Queries) (int64, error) {
 			return q.DeleteExpiredKeys(ctx, db.DeleteExpiredKeysParams{
 				TtlSeconds: c.cfg.TTL.Seconds(), BatchSize: int32(c.cfg.BatchSize),
 			})
-		})
-		if err != nil {
-			return rep, wrap(ctx, "delete expired keys", err)
-		}
-		rep.KeysDeleted += n
-		if n > 0 {
-			rep.Batches++
-		}
-		if n < int64(c.cfg.BatchSize) {
-			break
-		}
-	}
-	for {
-		if err := ctx.Err(); err != nil {
-			return rep, wrap(ctx, "delete expired outbox messages", err)
-		}
-		n, err := inBatch(ctx, func(ctx context.Context) (int64, error) {
+		}},
+		{"delete expired outbox messages", &rep.OutboxDeleted, func(ctx context.Context, q *db.Queries) (int64, error) {
 			return q.DeleteExpiredOutboxMessages(ctx, db.DeleteExpiredOutboxMessagesParams{
 				RetentionSeconds: c.cfg.OutboxRetention.Seconds(), BatchSize: int32(c.cfg.BatchSize),
 			})
-		})
-		if err != nil {
-			return rep, wrap(ctx, "delete expired outbox messages", err)
-		}
-		rep.OutboxDeleted += n
-		if n > 0 {
-			rep.Batches++
-		}
-		if n < int64(c.cfg.BatchSize) {
-			break
+		}},
+	}
+	for _, step := range steps {
+		for {
+			if err := ctx.Err(); err != nil {
+				return rep, wrap(ctx, step.op, err)
+			}
+			n, locked, err := c.batch(ctx, step.del)
+			if err != nil {
+				return rep, wrap(ctx, step.op, err)
+			}
+			if !locked {
+				rep.Skipped = true
+				c.log.WarnContext(ctx, "cleanup round skipped: another cleaner holds the cleanup lock",
+					"reason", "lock_held", "keys_deleted", rep.KeysDeleted, "outbox_deleted", rep.OutboxDeleted)
+				return rep, nil
+			}
+			*step.deleted += n
+			if n > 0 {
+				rep.Batches++
+			}
+			if n < int64(c.cfg.BatchSize) {
+				break
+			}
 		}
 	}
 	return rep, nil
+}
+
+// batch runs del in a transaction of its own that first takes the cleanup
+// lock without waiting; locked is false (and nothing deleted) when another
+// cleaner holds it.
+func (c *Cleaner) batch(ctx context.Context, del func(context.Context, *db.Queries) (int64, error)) (n int64, locked bool, err error) {
+	err = inBatch(ctx, func(ctx context.Context) error {
+		return pgx.BeginFunc(ctx, c.pool, func(tx pgx.Tx) error {
+			q := db.New(tx)
+			ok, err := q.TryLockCleanup(ctx, lockClass)
+			if err != nil || !ok {
+				return err
+			}
+			n, err = del(ctx, q)
+			locked = err == nil
+			return err
+		})
+	})
+	if err != nil {
+		return 0, false, err
+	}
+	return n, locked, nil
 }
 
 // batchGrace is how long a batch in flight when the round's context ends
 // may take to finish before it is cancelled (and rolled back).
 const batchGrace = 5 * time.Second
 
-// inBatch runs one batch statement on a context that outlives ctx by up to
+// inBatch runs one batch on a context that outlives ctx by up to
 // batchGrace, so that a stop lets the batch in flight finish and the report
 // counts exactly what was committed; a cancelled statement would race its
 // own commit acknowledgement.
-func inBatch(ctx context.Context, fn func(context.Context) (int64, error)) (int64, error) {
+func inBatch(ctx context.Context, fn func(context.Context) error) error {
 	bctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
 	defer cancel()
 	stop := context.AfterFunc(ctx, func() {

@@ -1,7 +1,9 @@
 package cleanup_test
 
 import (
+	"bytes"
 	"context"
+	"encoding/json"
 	"log/slog"
 	"strings"
 	"sync"
@@ -336,4 +338,27 @@ func requireOnePrefix(t *testing.T, err error) {
 	t.Helper()
 	require.Equal(t, 1, strings.Count(err.Error(), "cleanup:"), err.Error())
 	require.True(t, strings.HasPrefix(err.Error(), "cleanup: "), err.Error())
+}
+
+func TestSkippedRoundIsLoggedAsAWarningWithTheReason(t *testing.T) {
+	t.Parallel()
+	d := pgtest.New(t)
+	seed(t, d, 100)
+	release := holdLock(t, d)
+	defer release()
+	var logs bytes.Buffer
+	c, err := cleanup.New(d.Pool, &cleanup.Config{Logger: slog.New(slog.NewJSONHandler(&logs, nil))})
+	require.NoError(t, err)
+	rep, err := c.RunOnce(context.Background())
+	require.NoError(t, err)
+	require.True(t, rep.Skipped)
+	var line struct {
+		Level  string `json:"level"`
+		Msg    string `json:"msg"`
+		Reason string `json:"reason"`
+	}
+	require.NoError(t, json.Unmarshal(logs.Bytes(), &line), logs.String())
+	require.Equal(t, "WARN", line.Level)
+	require.Contains(t, line.Msg, "another cleaner holds the cleanup lock")
+	require.Equal(t, "lock_held", line.Reason)
 }

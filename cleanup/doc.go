@@ -18,13 +18,13 @@
 // # Batches and concurrency
 //
 // A [Cleaner] deletes in batches of [Config.BatchSize] rows, one short
-// transaction (one statement) per batch, oldest first, looping until a batch
-// comes back short. A stopped round leaves every batch either committed or
-// rolled back. Only one cleaner deletes at a time: a round first takes a
-// session advisory lock (named after this installation's idempotency_keys
-// table, so installations in other schemas do not exclude each other) on a
-// connection of its own, and a cleaner that finds the lock held skips the
-// round ([Report.Skipped]). Session advisory locks need a session: connect
-// the cleaner directly or through a session-pooling proxy, not through a
-// transaction-pooling one.
+// transaction per batch, oldest first, looping until a batch comes back
+// short. A stopped round leaves every batch either committed or rolled back.
+// Only one cleaner deletes at a time: each batch's transaction first takes a
+// transaction-scoped advisory lock (named after this installation's
+// idempotency_keys table, so installations in other schemas do not exclude
+// each other), and a round that finds it held stops, logs a warning and
+// reports [Report.Skipped]: another cleaner is deleting. The lock ends with
+// its transaction, so the cleaner keeps no session state and works through a
+// transaction-pooling PgBouncer.
 package cleanup

@@ -96,16 +96,13 @@ SELECT count(*) FILTER (WHERE unknown_due)::bigint AS unknown_workflow,
 FROM stalled;
 
 -- name: TryLockCleanup :one
--- Takes the session advisory lock that lets one cleaner at a time delete
--- from this installation's tables. The lock is named after the
--- idempotency_keys table's oid, so installations in other schemas of the
--- same database do not exclude each other.
-SELECT pg_try_advisory_lock(@lock_class::integer,
+-- Takes, without waiting, the transaction-scoped advisory lock that lets one
+-- cleaner at a time delete from this installation's tables. It ends with the
+-- batch's transaction, so no lock outlives it on a pooled server connection.
+-- The lock is named after the idempotency_keys table's oid, so installations
+-- in other schemas of the same database do not exclude each other.
+SELECT pg_try_advisory_xact_lock(@lock_class::integer,
     ('idempotency_keys'::regclass::oid::bigint - 2147483648)::integer)::boolean AS locked;
-
--- name: UnlockCleanup :one
-SELECT pg_advisory_unlock(@lock_class::integer,
-    ('idempotency_keys'::regclass::oid::bigint - 2147483648)::integer)::boolean AS unlocked;
 
 -- name: DeleteExpiredKeys :one
 -- Deletes up to batch_size terminal keys finished more than ttl ago, oldest

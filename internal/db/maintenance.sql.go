@@ -357,29 +357,18 @@ func (q *Queries) FailStalledKeys(ctx context.Context, arg FailStalledKeysParams
 }
 
 const tryLockCleanup = `-- name: TryLockCleanup :one
-SELECT pg_try_advisory_lock($1::integer,
+SELECT pg_try_advisory_xact_lock($1::integer,
     ('idempotency_keys'::regclass::oid::bigint - 2147483648)::integer)::boolean AS locked
 `
 
-// Takes the session advisory lock that lets one cleaner at a time delete
-// from this installation's tables. The lock is named after the
-// idempotency_keys table's oid, so installations in other schemas of the
-// same database do not exclude each other.
+// Takes, without waiting, the transaction-scoped advisory lock that lets one
+// cleaner at a time delete from this installation's tables. It ends with the
+// batch's transaction, so no lock outlives it on a pooled server connection.
+// The lock is named after the idempotency_keys table's oid, so installations
+// in other schemas of the same database do not exclude each other.
 func (q *Queries) TryLockCleanup(ctx context.Context, lockClass int32) (bool, error) {
 	row := q.db.QueryRow(ctx, tryLockCleanup, lockClass)
 	var locked bool
 	err := row.Scan(&locked)
 	return locked, err
-}
-
-const unlockCleanup = `-- name: UnlockCleanup :one
-SELECT pg_advisory_unlock($1::integer,
-    ('idempotency_keys'::regclass::oid::bigint - 2147483648)::integer)::boolean AS unlocked
-`
-
-func (q *Queries) UnlockCleanup(ctx context.Context, lockClass int32) (bool, error) {
-	row := q.db.QueryRow(ctx, unlockCleanup, lockClass)
-	var unlocked bool
-	err := row.Scan(&unlocked)
-	return unlocked, err
 }
