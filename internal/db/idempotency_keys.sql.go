@@ -7,6 +7,7 @@ package db
 
 import (
 	"context"
+	"encoding/json"
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5/pgtype"
@@ -123,7 +124,7 @@ type ExtendLeaseRow struct {
 	Ctid            pgtype.TID
 	Failed          bool
 	ResponseStatus  pgtype.Int4
-	ResponseHeaders []byte
+	ResponseHeaders json.RawMessage
 	ResponseBody    []byte
 }
 
@@ -403,7 +404,7 @@ type LookupKeyRow struct {
 	LeaseRemainingSeconds float64
 	Attempts              int32
 	ResponseStatus        pgtype.Int4
-	ResponseHeaders       []byte
+	ResponseHeaders       json.RawMessage
 	ResponseBody          []byte
 }
 
@@ -458,7 +459,7 @@ type LookupKeyForResumeRow struct {
 	LeaseRemainingSeconds float64
 	Attempts              int32
 	ResponseStatus        pgtype.Int4
-	ResponseHeaders       []byte
+	ResponseHeaders       json.RawMessage
 	ResponseBody          []byte
 }
 
@@ -549,12 +550,12 @@ type TakeOverKeyParams struct {
 type TakeOverKeyRow struct {
 	Ctid            pgtype.TID
 	RecoveryPoint   string
-	PhaseResults    []byte
+	PhaseResults    json.RawMessage
 	PhaseResultsRaw []byte
 	Attempts        int32
 	Failed          bool
 	ResponseStatus  pgtype.Int4
-	ResponseHeaders []byte
+	ResponseHeaders json.RawMessage
 	ResponseBody    []byte
 }
 

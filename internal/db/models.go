@@ -5,6 +5,7 @@
 package db
 
 import (
+	"encoding/json"
 	"time"
 
 	"github.com/google/uuid"
@@ -18,10 +19,10 @@ type IdempotencyKey struct {
 	Fingerprint      []byte
 	RequestMethod    string
 	RequestPath      string
-	RequestParams    []byte
+	RequestParams    json.RawMessage
 	Workflow         string
 	RecoveryPoint    string
-	PhaseResults     []byte
+	PhaseResults     json.RawMessage
 	Status           string
 	LeaseToken       uuid.NullUUID
 	LeasedUntil      *time.Time
@@ -30,7 +31,7 @@ type IdempotencyKey struct {
 	LastRunAt        time.Time
 	FinishedAt       *time.Time
 	ResponseStatus   pgtype.Int4
-	ResponseHeaders  []byte
+	ResponseHeaders  json.RawMessage
 	ResponseBody     []byte
 	FailureReason    pgtype.Text
 	RequestParamsRaw []byte
@@ -44,7 +45,7 @@ type OutboxMessage struct {
 	Topic            string
 	OrderingKey      pgtype.Text
 	Payload          []byte
-	Headers          []byte
+	Headers          json.RawMessage
 	CreatedAt        time.Time
 	AvailableAt      time.Time
 	Attempts         int32

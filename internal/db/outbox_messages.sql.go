@@ -7,6 +7,7 @@ package db
 
 import (
 	"context"
+	"encoding/json"
 	"time"
 
 	"github.com/google/uuid"
@@ -58,7 +59,7 @@ type ClaimMessagesRow struct {
 	Topic       string
 	OrderingKey pgtype.Text
 	Payload     []byte
-	Headers     []byte
+	Headers     json.RawMessage
 	Attempts    int32
 	CreatedAt   time.Time
 }
