@@ -95,15 +95,22 @@ func Start(ctx context.Context, serverConnString string, opts Options) (*Bouncer
 	if server.TLSConfig != nil && !hasPlainFallback(server) {
 		return nil, errors.New("pgbouncer: the test server requires TLS; the harness connects without")
 	}
-	dir, err := os.MkdirTemp("", "apgb")
+	var cred *syscall.Credential
+	if os.Geteuid() == 0 {
+		// PgBouncer refuses to run as root.
+		if cred, err = pgcluster.UnprivilegedCredential(); err != nil {
+			return nil, fmt.Errorf("pgbouncer: %w", err)
+		}
+	}
+	dir, err := pgcluster.MkdirTemp("apgb", cred)
 	if err != nil {
-		return nil, fmt.Errorf("pgbouncer: temp dir: %w", err)
+		return nil, fmt.Errorf("pgbouncer: %w", err)
 	}
 	// The free port is found by binding and releasing it, so another
 	// process may take it before PgBouncer binds it: try a few.
 	for attempt := 1; ; attempt++ {
 		b := &Bouncer{dir: dir, done: make(chan struct{})}
-		err := b.start(ctx, bin, server, opts)
+		err := b.start(ctx, bin, server, opts, cred)
 		if err == nil {
 			return b, nil
 		}
@@ -128,7 +135,7 @@ func quote(v string) string {
 	return "'" + strings.ReplaceAll(v, "'", "''") + "'"
 }
 
-func (b *Bouncer) start(ctx context.Context, bin string, server *pgx.ConnConfig, opts Options) error {
+func (b *Bouncer) start(ctx context.Context, bin string, server *pgx.ConnConfig, opts Options, cred *syscall.Credential) error {
 	port, err := freePort()
 	if err != nil {
 		return err
@@ -180,14 +187,9 @@ func (b *Bouncer) start(ctx context.Context, bin string, server *pgx.ConnConfig,
 	cmd := exec.Command(bin, iniPath)
 	cmd.Dir = b.dir
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
-	if os.Geteuid() == 0 {
-		// PgBouncer refuses to run as root.
-		cred, err := pgcluster.UnprivilegedCredential()
-		if err != nil {
-			return fmt.Errorf("pgbouncer: %w", err)
-		}
+	if cred != nil {
 		cmd.SysProcAttr.Credential = cred
-		for _, p := range []string{b.dir, iniPath, settings["auth_file"]} {
+		for _, p := range []string{iniPath, settings["auth_file"]} {
 			if err := os.Chown(p, int(cred.Uid), int(cred.Gid)); err != nil {
 				return fmt.Errorf("pgbouncer: chown: %w", err)
 			}

@@ -51,26 +51,20 @@ func Start(ctx context.Context, opts Options) (*Cluster, error) {
 	if err != nil {
 		return nil, err
 	}
-	// Short path: Unix socket paths are limited to about 100 bytes.
-	dir, err := os.MkdirTemp("", "apg")
-	if err != nil {
-		return nil, fmt.Errorf("pgcluster: temp dir: %w", err)
-	}
-	c := &Cluster{dir: dir, dataDir: filepath.Join(dir, "data"), sockDir: dir, bindir: bindir}
+	var cred *syscall.Credential
 	if os.Geteuid() == 0 {
 		// initdb and postgres refuse to run as root: run them as an
 		// unprivileged user that owns the directory.
-		cred, err := unprivilegedCredential()
-		if err != nil {
-			_ = os.RemoveAll(dir)
+		if cred, err = unprivilegedCredential(); err != nil {
 			return nil, err
 		}
-		c.cred = cred
-		if err := os.Chown(dir, int(cred.Uid), int(cred.Gid)); err != nil {
-			_ = os.RemoveAll(dir)
-			return nil, fmt.Errorf("pgcluster: chown: %w", err)
-		}
 	}
+	// Short path: Unix socket paths are limited to about 100 bytes.
+	dir, err := MkdirTemp("apg", cred)
+	if err != nil {
+		return nil, err
+	}
+	c := &Cluster{dir: dir, dataDir: filepath.Join(dir, "data"), sockDir: dir, bindir: bindir, cred: cred}
 	if err := c.run(ctx, "initdb", "-D", c.dataDir, "-U", "postgres", "-A", "trust",
 		"-E", "UTF8", "--no-locale", "--no-sync"); err != nil {
 		_ = os.RemoveAll(dir)
@@ -151,6 +145,72 @@ func (c *Cluster) run(ctx context.Context, name string, args ...string) error {
 		return fmt.Errorf("pgcluster: %s: %w: %s", name, err, strings.TrimSpace(out.String()))
 	}
 	return nil
+}
+
+// MkdirTemp creates a temporary directory for a server program run with
+// cred (nil: as this process), owned by cred's user, in os.TempDir(); or in
+// /tmp when the user could not reach a directory there (a private TMPDIR of
+// root's, such as mktemp -d makes).
+func MkdirTemp(prefix string, cred *syscall.Credential) (string, error) {
+	bases := []string{os.TempDir()}
+	if cred != nil && filepath.Clean(os.TempDir()) != "/tmp" {
+		bases = append(bases, "/tmp")
+	}
+	var closed []string
+	for _, base := range bases {
+		if cred != nil && !reachable(base, cred) {
+			closed = append(closed, base)
+			continue
+		}
+		dir, err := os.MkdirTemp(base, prefix)
+		if err != nil {
+			return "", fmt.Errorf("pgcluster: temp dir: %w", err)
+		}
+		if cred != nil {
+			if err := os.Chown(dir, int(cred.Uid), int(cred.Gid)); err != nil {
+				_ = os.RemoveAll(dir)
+				return "", fmt.Errorf("pgcluster: chown: %w", err)
+			}
+		}
+		return dir, nil
+	}
+	return "", fmt.Errorf("pgcluster: user %d cannot reach a temp dir (%s); set TMPDIR to a directory it can reach",
+		cred.Uid, strings.Join(closed, ", "))
+}
+
+// reachable reports whether cred's user may traverse every directory from
+// the root down to dir.
+func reachable(dir string, cred *syscall.Credential) bool {
+	dir, err := filepath.Abs(dir)
+	if err != nil {
+		return false
+	}
+	for p := dir; ; p = filepath.Dir(p) {
+		fi, err := os.Stat(p)
+		if err != nil {
+			return false
+		}
+		st, ok := fi.Sys().(*syscall.Stat_t)
+		if !ok {
+			return true
+		}
+		mode := fi.Mode().Perm()
+		switch {
+		case st.Uid == cred.Uid:
+			if mode&0o100 == 0 {
+				return false
+			}
+		case st.Gid == cred.Gid:
+			if mode&0o010 == 0 {
+				return false
+			}
+		case mode&0o001 == 0:
+			return false
+		}
+		if p == filepath.Dir(p) {
+			return true
+		}
+	}
 }
 
 // UnprivilegedCredential returns the user (postgres, else nobody) to run
