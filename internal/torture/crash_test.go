@@ -124,21 +124,33 @@ func TestCrashChild(t *testing.T) {
 	t.Fatalf("crash point %q was never reached", point)
 }
 
-// relayAll publishes every pending outbox row to JetStream.
+// relayAll publishes every pending outbox row to JetStream. It relays until
+// no row is pending rather than until a batch comes back empty: a row that a
+// killed process's claim transaction still holds is skipped (SKIP LOCKED)
+// until the server notices the process is gone and ends its backend, which
+// takes a moment under load.
 func relayAll(t *testing.T, pool *pgxpool.Pool, js jetstream.JetStream, stream string) {
 	t.Helper()
 	pub, err := natspub.New(js, &natspub.Config{Streams: []string{stream}})
 	require.NoError(t, err)
 	relay, err := outbox.New(pool, pub, &outbox.Config{Logger: quietLogger(t)})
 	require.NoError(t, err)
-	for range 100 {
+	deadline := time.Now().Add(30 * time.Second)
+	for {
 		n, err := relay.RunOnce(context.Background())
 		require.NoError(t, err)
-		if n == 0 {
+		if n > 0 {
+			continue
+		}
+		var pending int
+		require.NoError(t, pool.QueryRow(context.Background(),
+			`SELECT count(*) FROM outbox_messages WHERE published_at IS NULL AND dead_at IS NULL`).Scan(&pending))
+		if pending == 0 {
 			return
 		}
+		require.True(t, time.Now().Before(deadline), "relay did not drain: %d rows still pending", pending)
+		time.Sleep(20 * time.Millisecond)
 	}
-	t.Fatal("relay did not drain")
 }
 
 func newStream(t *testing.T, name string) (jetstream.JetStream, jetstream.Stream) {
