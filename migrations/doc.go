@@ -5,4 +5,13 @@
 // with the goose CLI or with [Up]. They record their version in their own
 // table, [TableName], so they never clash with the host application's goose
 // migrations in the same database.
+//
+// [Up] and [DownTo] run every step of a call in one transaction, sending
+// each file's Up or Down section as one query, so a file must not need to
+// run outside a transaction (-- +goose NO TRANSACTION is refused); keep
+// -- +goose StatementBegin and StatementEnd around $$ bodies for the goose
+// CLI. An applied file is never edited: changes come as new files. A Down
+// that would delete data calls atomicphase_refuse_data_loss (migration
+// 00003) first, so it refuses unless the operator opted in
+// (atomicphase.allow_data_loss = on, or [AllowDataLoss]).
 package migrations
