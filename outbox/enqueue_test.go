@@ -17,6 +17,36 @@ import (
 	"github.com/atomicphase/atomicphase/internal/phasectx"
 )
 
+// Every staged message gets its own UUIDv7, drawn by the database: unique,
+// and ordered by the time it was staged (to the millisecond).
+func TestEnqueueGivesEachMessageAUUIDv7(t *testing.T) {
+	t.Parallel()
+	d := pgtest.New(t)
+	for range 3 {
+		enqueue(t, d.Pool, Message{Topic: "t"}, Message{Topic: "t"}, Message{Topic: "t", OrderingKey: "k"})
+	}
+	rows, err := d.Pool.Query(context.Background(), "SELECT message_id, created_at FROM outbox_messages ORDER BY id")
+	require.NoError(t, err)
+	seen := make(map[uuid.UUID]bool)
+	var last time.Time
+	for rows.Next() {
+		var id uuid.UUID
+		var created time.Time
+		require.NoError(t, rows.Scan(&id, &created))
+		require.Equal(t, uuid.Version(7), id.Version())
+		require.Equal(t, uuid.RFC4122, id.Variant())
+		require.False(t, seen[id])
+		seen[id] = true
+		sec, nsec := id.Time().UnixTime()
+		at := time.Unix(sec, nsec)
+		require.WithinDuration(t, created, at, time.Second, "the id carries the time it was drawn")
+		require.False(t, at.Before(last.Truncate(time.Millisecond)), "ids follow the staging order to the millisecond")
+		last = at
+	}
+	require.NoError(t, rows.Err())
+	require.Len(t, seen, 9)
+}
+
 // A message staged in a transaction that rolls back never exists, so it is
 // never published; one in a committed transaction is published once, with
 // everything it was enqueued with.

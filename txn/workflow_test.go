@@ -2,14 +2,765 @@ package txn_test
 
 import (
 	"context"
+	"errors"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/atomicphase/atomicphase/txn"
 )
+
+func TestRule3_KeyUsedByAnotherWorkflowIsKeyReused(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	f := newRideFlow(t, e.reg, "ride")
+	var calls atomic.Int64
+	_, err := e.runner.Run(ctx, rideKey("k1"), insertCharge(&calls, "c1", 1))
+	require.NoError(t, err)
+	_, err = e.runner.RunWorkflow(ctx, rideKey("k1"), f.wf)
+	require.ErrorIs(t, err, txn.ErrKeyReused)
+	require.Equal(t, int64(0), f.p1.Load())
+}
+
+func TestRule4_WorkflowLeaseHeldGivesKeyInUse(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, &txn.Config{LeaseDuration: time.Minute})
+	ctx := ctxT(t)
+	f := newRideFlow(t, e.reg, "ride")
+	entered, release := make(chan struct{}), make(chan struct{})
+	f.hook = func(point string, _ *txn.Attempt) {
+		if point == "after_p1" {
+			close(entered)
+			<-release
+		}
+	}
+	done := make(chan error, 1)
+	go func() { _, err := e.runner.RunWorkflow(ctx, rideKey("k1"), f.wf); done <- err }()
+	<-entered
+
+	_, err := e.runner.RunWorkflow(ctx, rideKey("k1"), f.wf)
+	require.ErrorIs(t, err, txn.ErrKeyInUse)
+	var kse *txn.KeyStateError
+	require.ErrorAs(t, err, &kse)
+	require.Equal(t, "ride_created", kse.RecoveryPoint)
+	require.Greater(t, kse.RetryAfter, 30*time.Second, "Retry-After follows the holder's lease")
+
+	f.hook = nil
+	close(release)
+	require.NoError(t, <-done)
+}
+
+func TestRule5_ExpiredLeaseCanBeTakenOverLiveOneCannot(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, &txn.Config{LeaseDuration: time.Hour})
+	ctx := ctxT(t)
+	f := newRideFlow(t, e.reg, "ride")
+	f.failAt.Store("after_p1")
+	_, err := e.runner.RunWorkflow(ctx, rideKey("k1"), f.wf)
+	require.ErrorIs(t, err, errInjected)
+	// Simulate a crashed holder: a live lease nobody will release.
+	_, err = e.Pool.Exec(ctx, `UPDATE idempotency_keys SET lease_token = gen_random_uuid(), leased_until = now() + interval '1 hour'`)
+	require.NoError(t, err)
+	f.failAt.Store("")
+	_, err = e.runner.RunWorkflow(ctx, rideKey("k1"), f.wf)
+	require.ErrorIs(t, err, txn.ErrKeyInUse)
+
+	_, err = e.Pool.Exec(ctx, `UPDATE idempotency_keys SET leased_until = now() - interval '1 millisecond'`)
+	require.NoError(t, err)
+	resp, err := e.runner.RunWorkflow(ctx, rideKey("k1"), f.wf)
+	require.NoError(t, err)
+	require.Equal(t, 201, resp.Status)
+	require.Equal(t, int64(1), f.p1.Load())
+}
+
+func TestRule7_TerminalResponsesAreStoredAndReplayed(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	f := newRideFlow(t, e.reg, "ride")
+	f.declined = true
+	resp, err := e.runner.RunWorkflow(ctx, rideKey("declined"), f.wf)
+	require.NoError(t, err)
+	require.Equal(t, 402, resp.Status)
+	again, err := e.runner.RunWorkflow(ctx, rideKey("declined"), f.wf)
+	require.NoError(t, err)
+	require.True(t, again.Replayed)
+	require.Equal(t, resp.Body, again.Body)
+	require.Equal(t, int64(1), f.p1.Load())
+	k := readKey(t, e.Pool, "user_1", "declined")
+	require.Equal(t, "finished", k.Status)
+	require.Equal(t, "ride_created", k.RecoveryPoint, "stored where the workflow stopped")
+
+	// A 5xx the operation chooses to return is terminal too.
+	var calls atomic.Int64
+	r5, err := e.runner.Run(ctx, chargeKey("five", 1), func(context.Context, pgx.Tx) (txn.Response, error) {
+		calls.Add(1)
+		return txn.JSON(503, map[string]string{"error": "upstream unavailable"})
+	})
+	require.NoError(t, err)
+	require.Equal(t, 503, r5.Status)
+	r5b, err := e.runner.Run(ctx, chargeKey("five", 1), insertCharge(&calls, "c", 1))
+	require.NoError(t, err)
+	require.True(t, r5b.Replayed)
+	require.Equal(t, 503, r5b.Status)
+	require.Equal(t, int64(1), calls.Load())
+}
+
+func TestRule7_TransientErrorReleasesKeyAndRetryResumes(t *testing.T) {
+	t.Parallel()
+	for _, point := range []string{"after_p1", "foreign", "after_p2", "in_p3"} {
+		t.Run(point, func(t *testing.T) {
+			t.Parallel()
+			e := newEnv(t, nil)
+			ctx := ctxT(t)
+			f := newRideFlow(t, e.reg, "ride")
+			f.failAt.Store(point)
+			_, err := e.runner.RunWorkflow(ctx, rideKey("k1"), f.wf)
+			require.ErrorIs(t, err, errInjected)
+			k := readKey(t, e.Pool, "user_1", "k1")
+			require.Equal(t, "running", k.Status)
+			require.False(t, k.LeaseHeld, "released")
+			wantPoint := map[string]string{"after_p1": "ride_created", "foreign": "ride_created", "after_p2": "charge_created", "in_p3": "charge_created"}[point]
+			require.Equal(t, wantPoint, k.RecoveryPoint, "recovery point intact")
+			require.Equal(t, 0, e.Count(t, `SELECT count(*) FROM charges WHERE ref LIKE 'ch_%'`), "the failed phase rolled back")
+
+			f.failAt.Store("")
+			resp, err := e.runner.RunWorkflow(ctx, rideKey("k1"), f.wf)
+			require.NoError(t, err)
+			require.Equal(t, 201, resp.Status)
+			require.Equal(t, int64(1), f.p1.Load(), "phase 1 ran once")
+			require.Equal(t, 1, f.prov.distinct(), "one charge at the provider")
+			require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM charges WHERE ref = 'ride'`))
+			require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM charges WHERE ref LIKE 'ch_%'`))
+			require.Equal(t, 2, readKey(t, e.Pool, "user_1", "k1").Attempts)
+		})
+	}
+}
+
+func TestRule7_PanicIsTransient(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	_, err := e.runner.Run(ctx, chargeKey("k1", 1), func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+		if _, err := tx.Exec(ctx, `INSERT INTO charges (ref, amount) VALUES ('x', 1)`); err != nil {
+			return txn.Response{}, err
+		}
+		panic("boom")
+	})
+	require.ErrorIs(t, err, txn.ErrPanicked)
+	var pe *txn.PanicError
+	require.ErrorAs(t, err, &pe)
+	require.Equal(t, "boom", pe.Value)
+	require.Equal(t, 0, e.Count(t, `SELECT count(*) FROM charges`))
+	require.Equal(t, 0, e.Count(t, `SELECT count(*) FROM idempotency_keys`))
+
+	f := newRideFlow(t, e.reg, "ride")
+	f.hook = func(point string, _ *txn.Attempt) {
+		if point == "after_p2" {
+			panic("boom in workflow")
+		}
+	}
+	_, err = e.runner.RunWorkflow(ctx, rideKey("k2"), f.wf)
+	require.ErrorIs(t, err, txn.ErrPanicked)
+	k := readKey(t, e.Pool, "user_1", "k2")
+	require.Equal(t, "charge_created", k.RecoveryPoint)
+	require.False(t, k.LeaseHeld)
+	f.hook = nil
+	resp, err := e.runner.RunWorkflow(ctx, rideKey("k2"), f.wf)
+	require.NoError(t, err)
+	require.Equal(t, 201, resp.Status)
+}
+
+func TestRule7_CancelledContextStillReleasesKey(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	f := newRideFlow(t, e.reg, "ride")
+	cctx, cancel := context.WithCancel(ctx)
+	f.hook = func(point string, _ *txn.Attempt) {
+		if point == "after_p1" {
+			cancel() // the client went away mid-operation
+		}
+	}
+	_, err := e.runner.RunWorkflow(cctx, rideKey("k1"), f.wf)
+	require.ErrorIs(t, err, context.Canceled)
+	k := readKey(t, e.Pool, "user_1", "k1")
+	require.Equal(t, "ride_created", k.RecoveryPoint)
+	require.False(t, k.LeaseHeld, "released on a fresh context")
+	f.hook = nil
+	resp, err := e.runner.RunWorkflow(ctx, rideKey("k1"), f.wf)
+	require.NoError(t, err)
+	require.Equal(t, 201, resp.Status)
+	require.Equal(t, int64(1), f.p1.Load())
+}
+
+func TestRule9_TimesComeFromTheDatabaseClock(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	// Give this schema a database clock ten days ahead of the application's:
+	// with pg_catalog after the schema in search_path, now() resolves here.
+	_, err := e.Pool.Exec(ctx, `CREATE FUNCTION now() RETURNS timestamptz LANGUAGE sql STABLE
+		AS $$ SELECT pg_catalog.now() + interval '10 days' $$`)
+	require.NoError(t, err)
+	pool := e.NewPool(t, func(c *pgxpool.Config) { c.ConnConfig.RuntimeParams["search_path"] = e.Schema + ", pg_catalog" })
+	reg := txn.NewRegistry()
+	r, err := txn.New(pool, &txn.Config{Workflows: reg, LeaseDuration: time.Hour})
+	require.NoError(t, err)
+	f := newRideFlow(t, reg, "ride")
+	f.failAt.Store("after_p1")
+	_, err = r.RunWorkflow(ctx, rideKey("wf"), f.wf)
+	require.ErrorIs(t, err, errInjected)
+	var calls atomic.Int64
+	_, err = r.Run(ctx, chargeKey("single", 1), insertCharge(&calls, "c", 1))
+	require.NoError(t, err)
+
+	appNow := time.Now()
+	rows, err := e.Pool.Query(ctx, `SELECT created_at, last_run_at, coalesce(finished_at, last_run_at) FROM idempotency_keys`)
+	require.NoError(t, err)
+	for rows.Next() {
+		var ts [3]time.Time
+		require.NoError(t, rows.Scan(&ts[0], &ts[1], &ts[2]))
+		for _, tm := range ts {
+			require.InDelta(t, (10 * 24 * time.Hour).Hours(), tm.Sub(appNow).Hours(), 1, "timestamp %v is not from the database clock", tm)
+		}
+	}
+	require.NoError(t, rows.Err())
+
+	// Leases are judged by the same clock: a lease set by the shifted clock
+	// is live by it, although it ended long ago by the unshifted one.
+	_, err = pool.Exec(ctx, `UPDATE idempotency_keys SET lease_token = gen_random_uuid(), leased_until = now() + interval '1 minute' WHERE key = 'wf'`)
+	require.NoError(t, err)
+	f.failAt.Store("")
+	_, err = r.RunWorkflow(ctx, rideKey("wf"), f.wf)
+	require.ErrorIs(t, err, txn.ErrKeyInUse)
+}
+
+func TestFiftyGoroutinesOnOneWorkflowKeyRunEachPhaseOnce(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	f := newRideFlow(t, e.reg, "ride")
+	start := make(chan struct{})
+	var wg sync.WaitGroup
+	var ok, inUse atomic.Int64
+	for range 50 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			<-start
+			_, err := e.runner.RunWorkflow(ctx, rideKey("k1"), f.wf)
+			switch {
+			case err == nil:
+				ok.Add(1)
+			case errors.Is(err, txn.ErrKeyInUse):
+				inUse.Add(1)
+			default:
+				t.Errorf("unexpected: %v", err)
+			}
+		}()
+	}
+	close(start)
+	wg.Wait()
+	require.GreaterOrEqual(t, ok.Load(), int64(1))
+	require.Equal(t, int64(1), f.p1.Load())
+	require.Equal(t, int64(1), f.p3.Load())
+	require.Equal(t, int64(1), f.prov.calls.Load())
+	require.Equal(t, 2, e.Count(t, `SELECT count(*) FROM charges`))
+}
+
+// uninterrupted runs the ride workflow once, start to end, in a fresh schema.
+func uninterrupted(t *testing.T) txn.Response {
+	e := newEnv(t, nil)
+	f := newRideFlow(t, e.reg, "ride")
+	resp, err := e.runner.RunWorkflow(ctxT(t), rideKey("k1"), f.wf)
+	require.NoError(t, err)
+	return resp
+}
+
+func TestWorkflowInterruptedAfterPhaseResumesToSameResponse(t *testing.T) {
+	t.Parallel()
+	want := uninterrupted(t)
+	for _, point := range []string{"after_p1", "after_p2"} {
+		t.Run(point, func(t *testing.T) {
+			t.Parallel()
+			e := newEnv(t, nil)
+			ctx := ctxT(t)
+			f := newRideFlow(t, e.reg, "ride")
+			f.failAt.Store(point)
+			_, err := e.runner.RunWorkflow(ctx, rideKey("k1"), f.wf)
+			require.ErrorIs(t, err, errInjected)
+			f.failAt.Store("")
+			got, err := e.runner.RunWorkflow(ctx, rideKey("k1"), f.wf)
+			require.NoError(t, err)
+			require.Equal(t, want.Status, got.Status)
+			require.Equal(t, want.Header, got.Header)
+			require.JSONEq(t, string(want.Body), string(got.Body))
+			require.Equal(t, int64(1), f.p1.Load(), "phase 1 side effects exist once")
+			require.Equal(t, 1, f.prov.distinct(), "phase 2 charged once")
+			require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM charges WHERE ref = 'ride'`))
+			require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM charges WHERE ref LIKE 'ch_%'`))
+			// Resume via the recovery path gives the same stored answer.
+			again, err := e.runner.Resume(ctx, "user_1", "k1")
+			require.NoError(t, err)
+			require.True(t, again.Replayed)
+			require.Equal(t, got.Body, again.Body)
+		})
+	}
+}
+
+func TestResumeContinuesWithStoredParams(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	f := newRideFlow(t, e.reg, "ride")
+	f.failAt.Store("after_p1")
+	_, err := e.runner.RunWorkflow(ctx, rideKey("k1"), f.wf)
+	require.ErrorIs(t, err, errInjected)
+	f.failAt.Store("")
+	resp, err := e.runner.Resume(ctx, "user_1", "k1")
+	require.NoError(t, err)
+	require.Equal(t, 201, resp.Status)
+	require.Contains(t, string(resp.Body), `"amount":1250`)
+
+	_, err = e.runner.Resume(ctx, "user_1", "missing")
+	require.ErrorIs(t, err, txn.ErrKeyNotFound)
+
+	// A key whose workflow is not registered in this runner.
+	other := txn.NewRegistry()
+	r2, err := txn.New(e.Pool, &txn.Config{Workflows: other})
+	require.NoError(t, err)
+	f.failAt.Store("after_p1")
+	_, err = e.runner.RunWorkflow(ctx, rideKey("k2"), f.wf)
+	require.ErrorIs(t, err, errInjected)
+	_, err = r2.Resume(ctx, "user_1", "k2")
+	require.ErrorIs(t, err, txn.ErrUnknownWorkflow)
+}
+
+func TestConnectionsCutMidPhaseLoseNothingAndDuplicateNothing(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	proxy, pool := e.NewProxy(t)
+	r, err := txn.New(pool, &txn.Config{Workflows: e.reg})
+	require.NoError(t, err)
+	f := newRideFlow(t, e.reg, "ride")
+	var cut atomic.Bool
+	f.hook = func(point string, _ *txn.Attempt) {
+		if point == "in_p3" && cut.CompareAndSwap(false, true) {
+			proxy.CutAll() // the database goes away mid-phase
+		}
+	}
+	_, err = r.RunWorkflow(ctx, rideKey("k1"), f.wf)
+	require.Error(t, err)
+	// The release could not reach the database either: the lease must
+	// expire before a retry can take over.
+	_, err = e.Pool.Exec(ctx, `UPDATE idempotency_keys SET leased_until = now() - interval '1 second' WHERE lease_token IS NOT NULL`)
+	require.NoError(t, err)
+	resp, err := r.RunWorkflow(ctx, rideKey("k1"), f.wf)
+	require.NoError(t, err)
+	require.Equal(t, 201, resp.Status)
+	require.Equal(t, int64(1), f.p1.Load())
+	require.Equal(t, 1, f.prov.distinct())
+	require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM charges WHERE ref LIKE 'ch_%'`))
+}
+
+// validatingFlow is a workflow that validates its params before any phase
+// (400 when amount is not positive), then runs an atomic phase, a foreign
+// call and the final phase. reject makes it answer 422 at a chosen point.
+type validatingFlow struct {
+	wf      *txn.Workflow
+	reject  atomic.Value // "", "after_phase", "after_foreign_error", "in_finish"
+	foreign atomic.Int64
+}
+
+func newValidatingFlow(t *testing.T, reg *txn.Registry) *validatingFlow {
+	t.Helper()
+	f := &validatingFlow{}
+	f.reject.Store("")
+	f.wf = txn.NewWorkflow("validating", func(ctx context.Context, a *txn.Attempt) (txn.Response, error) {
+		var in struct {
+			Amount int `json:"amount"`
+		}
+		if err := jsonUnmarshal(a.Params(), &in); err != nil || in.Amount <= 0 {
+			return txn.JSON(400, map[string]string{"error": "amount must be positive"})
+		}
+		if f.reject.Load() == "after_foreign_error" {
+			_, err := txn.Foreign(ctx, a, "charge", func(ctx context.Context, fk string) (string, error) {
+				f.foreign.Add(1)
+				return "", errDeclined // the provider may have acted before failing
+			})
+			if errors.Is(err, errDeclined) {
+				return txn.JSON(422, map[string]string{"error": "card rejected"})
+			}
+			return txn.Response{}, err
+		}
+		id, err := txn.Atomic(ctx, a, "reserve", func(ctx context.Context, tx pgx.Tx) (int64, error) {
+			var id int64
+			err := tx.QueryRow(ctx, `INSERT INTO charges (ref, amount) VALUES ('reserve', $1) RETURNING id`, in.Amount).Scan(&id)
+			return id, err
+		})
+		if err != nil {
+			return txn.Response{}, err
+		}
+		if f.reject.Load() == "after_phase" {
+			return txn.JSON(422, map[string]any{"error": "too late", "id": id})
+		}
+		return a.Finish(ctx, func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+			return txn.JSON(201, map[string]any{"id": id})
+		})
+	})
+	require.NoError(t, reg.Register(f.wf))
+	return f
+}
+
+func amountKey(value, params string) txn.Key {
+	return txn.Key{Scope: "user_1", Value: value, Method: "POST", Path: "/charges", Params: []byte(params)}
+}
+
+// A rejection a client is expected to correct (txn.DefaultStore), given
+// before anything took effect, leaves no key: the corrected request runs
+// under the same key. The same policy as a single-phase run.
+func TestWorkflowRejectionBeforeAnyPhaseLeavesNoKey(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	f := newValidatingFlow(t, e.reg)
+
+	resp, err := e.runner.RunWorkflow(ctx, amountKey("k1", `{"amount":0}`), f.wf)
+	require.NoError(t, err)
+	require.Equal(t, 400, resp.Status)
+	require.False(t, resp.Replayed)
+	require.Zero(t, e.Count(t, `SELECT count(*) FROM idempotency_keys`), "no key left")
+	require.Equal(t, uint64(1), e.runner.Stats().NotStored)
+
+	resp, err = e.runner.RunWorkflow(ctx, amountKey("k1", `{"amount":5}`), f.wf)
+	require.NoError(t, err, "the corrected request is not ErrKeyReused")
+	require.Equal(t, 201, resp.Status)
+	replay, err := e.runner.RunWorkflow(ctx, amountKey("k1", `{"amount":5}`), f.wf)
+	require.NoError(t, err)
+	require.True(t, replay.Replayed)
+
+	// Single phase: the same policy, and the function's writes roll back.
+	resp, err = e.runner.Run(ctx, chargeKey("s1", 1), func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+		if _, err := tx.Exec(ctx, `INSERT INTO charges (ref, amount) VALUES ('rejected', 1)`); err != nil {
+			return txn.Response{}, err
+		}
+		return txn.JSON(422, "unprocessable")
+	})
+	require.NoError(t, err)
+	require.Equal(t, 422, resp.Status)
+	require.Zero(t, e.Count(t, `SELECT count(*) FROM idempotency_keys WHERE key = 's1'`))
+	require.Zero(t, e.Count(t, `SELECT count(*) FROM charges WHERE ref = 'rejected'`))
+}
+
+// Once something took effect (a phase committed, or a foreign call was
+// made), every answer is stored, rejections included.
+func TestWorkflowRejectionAfterSomethingTookEffectIsStored(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	f := newValidatingFlow(t, e.reg)
+	for _, point := range []string{"after_phase", "after_foreign_error"} {
+		f.reject.Store(point)
+		resp, err := e.runner.RunWorkflow(ctx, amountKey(point, `{"amount":5}`), f.wf)
+		require.NoError(t, err, point)
+		require.Equal(t, 422, resp.Status, point)
+		k := readKey(t, e.Pool, "user_1", point)
+		require.Equal(t, "finished", k.Status, point)
+		require.Equal(t, 422, *k.RespStatus, point)
+		replay, err := e.runner.RunWorkflow(ctx, amountKey(point, `{"amount":5}`), f.wf)
+		require.NoError(t, err, point)
+		require.True(t, replay.Replayed, point)
+		require.Equal(t, resp.Body, replay.Body, point)
+	}
+	require.Equal(t, int64(1), f.foreign.Load())
+}
+
+// An attempt that took over a key (a crash or transient error before) does
+// not know whether an earlier one called the provider without recording
+// it, so it stores even an early rejection rather than forget the key.
+func TestRejectionByAnAttemptThatTookTheKeyOverIsStored(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, &txn.Config{Store: func(status int) bool { return status != 418 }})
+	ctx := ctxT(t)
+	var runs atomic.Int64
+	wf := txn.NewWorkflow("flaky_then_rejects", func(ctx context.Context, a *txn.Attempt) (txn.Response, error) {
+		if runs.Add(1) == 1 {
+			return txn.Response{}, errInjected
+		}
+		return txn.Response{Status: 418}, nil
+	})
+	require.NoError(t, e.reg.Register(wf))
+	_, err := e.runner.RunWorkflow(ctx, rideKey("k1"), wf)
+	require.ErrorIs(t, err, errInjected)
+	resp, err := e.runner.RunWorkflow(ctx, rideKey("k1"), wf)
+	require.NoError(t, err)
+	require.Equal(t, 418, resp.Status)
+	require.Equal(t, "finished", readKey(t, e.Pool, "user_1", "k1").Status)
+
+	// Config.Store is the policy: 418 is not stored by a first attempt.
+	resp, err = e.runner.RunWorkflow(ctx, rideKey("k2"), wf)
+	require.NoError(t, err)
+	require.Equal(t, 418, resp.Status)
+	require.Zero(t, e.Count(t, `SELECT count(*) FROM idempotency_keys WHERE key = 'k2'`))
+}
+
+// Concurrent attempts on one key, some with a rejected body and some with
+// the corrected one: a rejection never removes a key another attempt
+// created or took effect under, the corrected operation runs exactly once,
+// and its response is the one every later retry gets.
+func TestConcurrentRejectionsAndCorrectedRequestsOnOneKey(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	f := newValidatingFlow(t, e.reg)
+	var mu sync.Mutex
+	outcomes := map[string]int{}
+	var wg sync.WaitGroup
+	start := make(chan struct{})
+	for i := range 40 {
+		wg.Go(func() {
+			<-start
+			params := `{"amount":5}`
+			if i%2 == 0 {
+				params = `{"amount":0}`
+			}
+			resp, err := e.runner.RunWorkflow(ctx, amountKey("k", params), f.wf)
+			var out string
+			switch {
+			case errors.Is(err, txn.ErrKeyInUse):
+				out = "in_use"
+			case errors.Is(err, txn.ErrKeyReused):
+				out = "reused"
+			case err != nil:
+				out = "error: " + err.Error()
+			case resp.Replayed:
+				out = "replayed " + strconv.Itoa(resp.Status)
+			default:
+				out = strconv.Itoa(resp.Status)
+			}
+			mu.Lock()
+			outcomes[out]++
+			mu.Unlock()
+		})
+	}
+	close(start)
+	wg.Wait()
+	t.Logf("outcomes: %v", outcomes)
+	for out := range outcomes {
+		require.NotContains(t, out, "error", "no attempt failed")
+	}
+	require.LessOrEqual(t, outcomes["201"], 1, "the operation ran at most once")
+	require.LessOrEqual(t, e.Count(t, `SELECT count(*) FROM charges`), 1)
+	resp, err := e.runner.RunWorkflow(ctx, amountKey("k", `{"amount":5}`), f.wf)
+	require.NoError(t, err)
+	require.Equal(t, 201, resp.Status)
+	require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM charges`), "exactly one reservation in the end")
+	require.Equal(t, "finished", readKey(t, e.Pool, "user_1", "k").Status)
+}
+
+// DESIGN rule 11: a client retry of a key older than MaxAge does not take it
+// over (the provider would be called again past its idempotency window): the
+// statement that would have taken it fails it, storing the problem response.
+func TestKeyOlderThanMaxAgeIsFailedNotTakenOver(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil) // MaxAge: the default, 12 hours
+	ctx := ctxT(t)
+	f := newRideFlow(t, e.reg, "ride")
+	f.failAt.Store("foreign")
+	_, err := e.runner.RunWorkflow(ctx, rideKey("k1"), f.wf)
+	require.ErrorIs(t, err, errInjected)
+	e.age(t, "k1", 30*time.Hour)
+	f.failAt.Store("")
+
+	resp, err := e.runner.RunWorkflow(ctx, rideKey("k1"), f.wf)
+	require.NoError(t, err)
+	requireMaxAgeFailure(t, resp)
+	require.False(t, resp.Replayed)
+	require.Zero(t, f.prov.calls.Load(), "no foreign call past MaxAge")
+	require.Equal(t, int64(1), f.p1.Load(), "no phase ran again")
+	k := readKey(t, e.Pool, "user_1", "k1")
+	require.Equal(t, "failed", k.Status)
+	require.Equal(t, 1, k.Attempts, "not taken over")
+	require.Equal(t, "max_age", e.failureReason(t, "k1"))
+	require.Equal(t, uint64(1), e.runner.Stats().TooOld)
+
+	again, err := e.runner.RunWorkflow(ctx, rideKey("k1"), f.wf)
+	require.NoError(t, err)
+	require.True(t, again.Replayed)
+	require.Equal(t, resp.Body, again.Body)
+
+	// A younger key is resumed as before.
+	f.failAt.Store("foreign")
+	_, err = e.runner.RunWorkflow(ctx, rideKey("k2"), f.wf)
+	require.ErrorIs(t, err, errInjected)
+	e.age(t, "k2", 11*time.Hour)
+	f.failAt.Store("")
+	resp, err = e.runner.RunWorkflow(ctx, rideKey("k2"), f.wf)
+	require.NoError(t, err)
+	require.Equal(t, 201, resp.Status)
+}
+
+// A waiting retry (WaitWhenInUse) that outlives the holder's lease does not
+// take over a key past MaxAge either.
+func TestWaitModeTakeoverOfKeyOlderThanMaxAgeFailsIt(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, &txn.Config{WaitWhenInUse: true, WaitPollInterval: 5 * time.Millisecond})
+	ctx := ctxT(t)
+	f := newRideFlow(t, e.reg, "ride")
+	f.failAt.Store("after_p1")
+	_, err := e.runner.RunWorkflow(ctx, rideKey("k1"), f.wf)
+	require.ErrorIs(t, err, errInjected)
+	f.failAt.Store("")
+	// A crashed holder's lease, expiring shortly, on a key created 13 hours ago.
+	_, err = e.Pool.Exec(ctx, `UPDATE idempotency_keys SET lease_token = gen_random_uuid(),
+		leased_until = now() + interval '200 milliseconds', created_at = now() - interval '13 hours'`)
+	require.NoError(t, err)
+
+	resp, err := e.runner.RunWorkflow(ctx, rideKey("k1"), f.wf)
+	require.NoError(t, err)
+	requireMaxAgeFailure(t, resp)
+	require.Zero(t, f.prov.calls.Load())
+	require.Equal(t, "failed", readKey(t, e.Pool, "user_1", "k1").Status)
+}
+
+// Resume (the recovery path and admin tools) fails such a key too.
+func TestResumeOfKeyOlderThanMaxAgeFailsIt(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	f := newRideFlow(t, e.reg, "ride")
+	f.failAt.Store("after_p1")
+	_, err := e.runner.RunWorkflow(ctx, rideKey("k1"), f.wf)
+	require.ErrorIs(t, err, errInjected)
+	f.failAt.Store("")
+	e.age(t, "k1", 12*time.Hour+time.Minute)
+
+	resp, err := e.runner.Resume(ctx, "user_1", "k1")
+	require.NoError(t, err)
+	requireMaxAgeFailure(t, resp)
+	require.Zero(t, f.prov.calls.Load())
+	require.Equal(t, "max_age", e.failureReason(t, "k1"))
+}
+
+// Client retries and the recovery path racing on one key past MaxAge: one
+// statement fails it, nobody takes it over, and every caller gets the one
+// stored failure.
+func TestConcurrentRetriesOfAKeyPastMaxAgeAllGetItsOneFailure(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, &txn.Config{WaitWhenInUse: true, WaitPollInterval: time.Millisecond})
+	ctx := ctxT(t)
+	f := newRideFlow(t, e.reg, "ride")
+	f.failAt.Store("foreign")
+	_, err := e.runner.RunWorkflow(ctx, rideKey("k1"), f.wf)
+	require.ErrorIs(t, err, errInjected)
+	f.failAt.Store("")
+	e.age(t, "k1", 13*time.Hour)
+
+	bodies := make(chan string, 21)
+	var wg sync.WaitGroup
+	start := make(chan struct{})
+	for i := range 21 {
+		wg.Go(func() {
+			<-start
+			var resp txn.Response
+			var err error
+			if i%7 == 0 {
+				resp, err = e.runner.Resume(ctx, "user_1", "k1")
+			} else {
+				resp, err = e.runner.RunWorkflow(ctx, rideKey("k1"), f.wf)
+			}
+			if err != nil {
+				bodies <- "error: " + err.Error()
+				return
+			}
+			bodies <- strconv.Itoa(resp.Status) + " " + string(resp.Body)
+		})
+	}
+	close(start)
+	wg.Wait()
+	close(bodies)
+	distinct := map[string]int{}
+	for b := range bodies {
+		distinct[b]++
+	}
+	require.Len(t, distinct, 1, "one answer: %v", distinct)
+	for b := range distinct {
+		require.True(t, strings.HasPrefix(b, "500 "), b)
+		require.Contains(t, b, "max_age")
+	}
+	require.Zero(t, f.prov.calls.Load(), "nobody called the provider")
+	require.Equal(t, int64(1), f.p1.Load())
+	k := readKey(t, e.Pool, "user_1", "k1")
+	require.Equal(t, "failed", k.Status)
+	require.Equal(t, 1, k.Attempts, "nobody took it over")
+	require.Equal(t, uint64(1), e.runner.Stats().TooOld, "one statement failed it")
+}
+
+func TestResumedAttemptSeesByteIdenticalParams(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	params := []byte(`{ "z": "<b>", "amount": 1E+2, "items": [{"qty": 2.50, "sku": "a"}], "note": "\u00e9\/" }`)
+	var fail atomic.Bool
+	fail.Store(true)
+	seen := make(chan string, 2)
+	wf := txn.NewWorkflow("params", func(ctx context.Context, a *txn.Attempt) (txn.Response, error) {
+		seen <- string(a.Params())
+		if _, err := txn.Atomic(ctx, a, "one", func(context.Context, pgx.Tx) (int, error) { return 1, nil }); err != nil {
+			return txn.Response{}, err
+		}
+		if fail.Load() {
+			return txn.Response{}, errInjected
+		}
+		return txn.Response{Status: 201, Body: a.Params()}, nil
+	})
+	require.NoError(t, e.reg.Register(wf))
+	_, err := e.runner.RunWorkflow(ctx, txn.Key{Scope: "s", Value: "k", Method: "POST", Path: "/p", Params: params}, wf)
+	require.ErrorIs(t, err, errInjected)
+	first := <-seen
+	require.Equal(t, `{"amount":1E+2,"items":[{"qty":2.50,"sku":"a"}],"note":"é/","z":"<b>"}`, first,
+		"canonical: keys sorted, literals as written, no HTML escaping")
+
+	fail.Store(false)
+	resp, err := e.runner.Resume(ctx, "s", "k")
+	require.NoError(t, err)
+	require.Equal(t, first, <-seen, "the resumed attempt sees the same bytes")
+	require.Equal(t, first, string(resp.Body))
+}
+
+// Rows written before migration 00004 keep their params and phase results
+// in jsonb only; they still resume, from those.
+func TestKeyStoredBeforeLosslessColumnsStillResumes(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	f := newRideFlow(t, e.reg, "ride")
+	f.failAt.Store("after_p1")
+	_, err := e.runner.RunWorkflow(ctx, rideKey("k1"), f.wf)
+	require.ErrorIs(t, err, errInjected)
+	// What the previous version stored: jsonb columns, no raw ones.
+	_, err = e.Pool.Exec(ctx, `UPDATE idempotency_keys
+		SET request_params = convert_from(request_params_raw, 'UTF8')::jsonb,
+		    phase_results = convert_from(phase_results_raw, 'UTF8')::jsonb,
+		    request_params_raw = NULL, phase_results_raw = NULL`)
+	require.NoError(t, err)
+	f.failAt.Store("")
+	resp, err := e.runner.Resume(ctx, "user_1", "k1")
+	require.NoError(t, err)
+	require.Equal(t, 201, resp.Status)
+	require.Contains(t, string(resp.Body), `"amount":1250`)
+	require.Equal(t, int64(1), f.p1.Load(), "the phase committed before is not run again")
+}
 
 // A workflow key's insert that commits while the caller sees an error (the
 // connection is cut right after the commit) does not hold the key for a
@@ -39,43 +790,4 @@ func TestAmbiguousKeyInsertDoesNotHoldTheKeyForALease(t *testing.T) {
 	require.Equal(t, 201, resp.Status)
 	require.Equal(t, int64(1), f.p1.Load())
 	require.Equal(t, 1, f.prov.distinct())
-}
-
-// A lease is extended from the time of the phase's commit, not from the
-// start of its transaction: a phase that runs longer than the lease commits
-// a lease that is still live, so no other attempt may take the key over.
-func TestLeaseOutlivesAPhaseLongerThanTheLease(t *testing.T) {
-	t.Parallel()
-	const lease, phase = time.Second, 1200 * time.Millisecond
-	e := newEnv(t, &txn.Config{LeaseDuration: lease})
-	ctx := ctxT(t)
-	var counted, remaining float64 // seconds
-	var inUse error
-	var wf *txn.Workflow
-	wf = txn.NewWorkflow("slow_phase", func(ctx context.Context, a *txn.Attempt) (txn.Response, error) {
-		if _, err := txn.Atomic(ctx, a, "slow", func(ctx context.Context, tx pgx.Tx) (int, error) {
-			// The phase outlasts the lease (a slow query, a lock wait).
-			_, err := tx.Exec(ctx, `SELECT pg_sleep($1)`, phase.Seconds())
-			return 1, err
-		}); err != nil {
-			return txn.Response{}, err
-		}
-		// last_run_at is the phase transaction's start (now()); the lease
-		// must count from after the phase's work.
-		if err := e.Pool.QueryRow(ctx, `SELECT extract(epoch FROM leased_until - last_run_at),
-			extract(epoch FROM leased_until - clock_timestamp()) FROM idempotency_keys WHERE key = 'k1'`).
-			Scan(&counted, &remaining); err != nil {
-			return txn.Response{}, err
-		}
-		_, inUse = e.runner.RunWorkflow(ctx, rideKey("k1"), wf)
-		return txn.JSON(201, "done")
-	})
-	require.NoError(t, e.reg.Register(wf))
-	resp, err := e.runner.RunWorkflow(ctx, rideKey("k1"), wf)
-	require.NoError(t, err)
-	require.Equal(t, 201, resp.Status)
-	require.GreaterOrEqual(t, counted, (lease + phase).Seconds(), "the lease counts from the commit, not the phase's start")
-	require.Greater(t, remaining, 0.0, "the lease is live after the commit")
-	require.ErrorIs(t, inUse, txn.ErrKeyInUse, "a concurrent retry cannot take the key over")
-	require.Equal(t, 1, readKey(t, e.Pool, "user_1", "k1").Attempts)
 }

@@ -1,4 +1,4 @@
-package outbox
+package migrations_test
 
 import (
 	"context"
@@ -6,42 +6,14 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/atomicphase/atomicphase/internal/pgtest"
 	"github.com/atomicphase/atomicphase/migrations"
+	"github.com/atomicphase/atomicphase/outbox"
 )
-
-// Every staged message gets its own UUIDv7, drawn by the database: unique,
-// and ordered by the time it was staged (to the millisecond).
-func TestEnqueueGivesEachMessageAUUIDv7(t *testing.T) {
-	t.Parallel()
-	d := pgtest.New(t)
-	for range 3 {
-		enqueue(t, d.Pool, Message{Topic: "t"}, Message{Topic: "t"}, Message{Topic: "t", OrderingKey: "k"})
-	}
-	rows, err := d.Pool.Query(context.Background(), "SELECT message_id, created_at FROM outbox_messages ORDER BY id")
-	require.NoError(t, err)
-	seen := make(map[uuid.UUID]bool)
-	var last time.Time
-	for rows.Next() {
-		var id uuid.UUID
-		var created time.Time
-		require.NoError(t, rows.Scan(&id, &created))
-		require.Equal(t, uuid.Version(7), id.Version())
-		require.Equal(t, uuid.RFC4122, id.Variant())
-		require.False(t, seen[id])
-		seen[id] = true
-		sec, nsec := id.Time().UnixTime()
-		at := time.Unix(sec, nsec)
-		require.WithinDuration(t, created, at, time.Second, "the id carries the time it was drawn")
-		require.False(t, at.Before(last.Truncate(time.Millisecond)), "ids follow the staging order to the millisecond")
-		last = at
-	}
-	require.NoError(t, rows.Err())
-	require.Len(t, seen, 9)
-}
 
 // Migrating an outbox that already holds messages adds the ids without
 // rewriting the table: pending and dead-lettered rows (which can still be
@@ -87,7 +59,7 @@ func TestMessageIDMigrationOnAFilledTable(t *testing.T) {
 	require.True(t, ids["dead"].Valid)
 	require.False(t, ids["published"].Valid)
 
-	enqueue(t, pool, Message{Topic: "new"})
+	enqueue(t, pool, outbox.Message{Topic: "new"})
 	require.Equal(t, 1, d.Count(t, "SELECT count(*) FROM outbox_messages WHERE topic = 'new' AND message_id IS NOT NULL"))
 	_, err = pool.Exec(ctx, "INSERT INTO outbox_messages (topic, payload, message_id) VALUES ('no id', '', NULL)")
 	require.ErrorContains(t, err, "outbox_messages_message_id_set")
@@ -101,7 +73,7 @@ func TestMessageIDMigrationDownRefusesWithoutOptIn(t *testing.T) {
 	t.Parallel()
 	d := pgtest.New(t)
 	ctx := context.Background()
-	enqueue(t, d.Pool, Message{Topic: "t"})
+	enqueue(t, d.Pool, outbox.Message{Topic: "t"})
 	err := migrations.DownTo(ctx, d.Pool, 2)
 	require.ErrorContains(t, err, "atomicphase.allow_data_loss")
 	require.Equal(t, 1, d.Count(t, "SELECT count(*) FROM outbox_messages WHERE message_id IS NOT NULL"), "nothing was dropped")
@@ -109,4 +81,11 @@ func TestMessageIDMigrationDownRefusesWithoutOptIn(t *testing.T) {
 	optedIn := d.NewPool(t, func(c *pgxpool.Config) { c.ConnConfig.RuntimeParams["atomicphase.allow_data_loss"] = "on" })
 	require.NoError(t, migrations.DownTo(ctx, optedIn, 2))
 	require.Zero(t, d.Count(t, "SELECT count(*) FROM information_schema.columns WHERE table_schema = current_schema() AND column_name = 'message_id'"))
+}
+
+// enqueue stages msgs through outbox.Enqueue in a transaction of their own.
+func enqueue(t *testing.T, pool *pgxpool.Pool, msgs ...outbox.Message) {
+	t.Helper()
+	ctx := context.Background()
+	require.NoError(t, pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error { return outbox.Enqueue(ctx, tx, msgs...) }))
 }

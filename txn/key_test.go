@@ -2,17 +2,52 @@ package txn_test
 
 import (
 	"context"
+	"errors"
 	"net/http"
 	"strings"
 	"sync/atomic"
 	"testing"
-	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
 	"github.com/atomicphase/atomicphase/txn"
 )
+
+func TestRule10_InvalidKeysAreRejectedBeforeAnySQL(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	r, qc := e.countingRunner(t, nil)
+	var calls atomic.Int64
+	for name, v := range map[string]string{
+		"empty":         "",
+		"256 bytes":     strings.Repeat("a", 256),
+		"newline":       "abc\n",
+		"tab":           "a\tb",
+		"DEL":           "a\x7f",
+		"non-ASCII":     "clé",
+		"NUL":           "a\x00b",
+		"bad scope":     "ok",
+		"bad scope NUL": "ok",
+	} {
+		k := chargeKey(v, 1)
+		switch name {
+		case "bad scope":
+			k.Scope = strings.Repeat("s", 256)
+		case "bad scope NUL":
+			k.Scope = "a\x00"
+		}
+		_, err := r.Run(ctx, k, insertCharge(&calls, "c", 1))
+		require.ErrorIs(t, err, txn.ErrInvalidKey, name)
+		require.Equal(t, http.StatusBadRequest, txn.HTTPStatus(err), name)
+	}
+	require.Equal(t, int64(0), qc.n.Load(), "no statement was sent")
+	require.Equal(t, int64(0), calls.Load())
+	require.NoError(t, txn.ValidateKey(strings.Repeat("a", 255)))
+	require.NoError(t, txn.ValidateKey(" ~!valid key~ "))
+	require.Equal(t, 0, e.Count(t, `SELECT count(*) FROM idempotency_keys`))
+}
 
 func TestBadInputGetsClearErrorAndWritesNothing(t *testing.T) {
 	t.Parallel()
@@ -75,55 +110,6 @@ func TestBadInputGetsClearErrorAndWritesNothing(t *testing.T) {
 	require.Equal(t, 0, e.Count(t, `SELECT count(*) FROM charges`))
 }
 
-func TestConfigAndRegistryValidation(t *testing.T) {
-	t.Parallel()
-	_, err := txn.New(nil, nil)
-	require.ErrorIs(t, err, txn.ErrInvalidConfig)
-	e := newEnv(t, nil)
-	_, err = txn.New(e.Pool, &txn.Config{LeaseDuration: -1})
-	require.ErrorIs(t, err, txn.ErrInvalidConfig)
-	_, err = txn.New(e.Pool, &txn.Config{LeaseDuration: time.Millisecond})
-	require.ErrorIs(t, err, txn.ErrInvalidConfig)
-
-	reg := txn.NewRegistry()
-	noop := func(context.Context, *txn.Attempt) (txn.Response, error) { return txn.Response{Status: 200}, nil }
-	require.ErrorIs(t, reg.Register(nil), txn.ErrInvalidUse)
-	require.ErrorIs(t, reg.Register(txn.NewWorkflow("", noop)), txn.ErrInvalidUse)
-	require.ErrorIs(t, reg.Register(txn.NewWorkflow("x", nil)), txn.ErrInvalidUse)
-	require.NoError(t, reg.Register(txn.NewWorkflow("x", noop)))
-	require.ErrorIs(t, reg.Register(txn.NewWorkflow("x", noop)), txn.ErrInvalidUse, "duplicate name")
-	require.Equal(t, []string{"x"}, reg.Names())
-}
-
-func TestPhaseMisuseIsReportedAndTransient(t *testing.T) {
-	t.Parallel()
-	e := newEnv(t, nil)
-	ctx := ctxT(t)
-	for name, body := range map[string]txn.WorkflowFunc{
-		"repeated phase": func(ctx context.Context, a *txn.Attempt) (txn.Response, error) {
-			if _, err := txn.Atomic(ctx, a, "p", func(context.Context, pgx.Tx) (int, error) { return 1, nil }); err != nil {
-				return txn.Response{}, err
-			}
-			_, err := txn.Atomic(ctx, a, "p", func(context.Context, pgx.Tx) (int, error) { return 1, nil })
-			return txn.Response{Status: 200}, err
-		},
-		"reserved name": func(ctx context.Context, a *txn.Attempt) (txn.Response, error) {
-			_, err := txn.Atomic(ctx, a, "finished", func(context.Context, pgx.Tx) (int, error) { return 1, nil })
-			return txn.Response{Status: 200}, err
-		},
-		"unencodable result": func(ctx context.Context, a *txn.Attempt) (txn.Response, error) {
-			_, err := txn.Atomic(ctx, a, "p", func(context.Context, pgx.Tx) (chan int, error) { return make(chan int), nil })
-			return txn.Response{Status: 200}, err
-		},
-	} {
-		wf := txn.NewWorkflow(strings.ReplaceAll(name, " ", "_"), body)
-		require.NoError(t, e.reg.Register(wf))
-		_, err := e.runner.RunWorkflow(ctx, rideKey(wf.Name()), wf)
-		require.ErrorIs(t, err, txn.ErrInvalidUse, name)
-		require.False(t, readKey(t, e.Pool, "user_1", wf.Name()).LeaseHeld, name)
-	}
-}
-
 func TestFingerprintMatchesEquivalentJSONOnly(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, nil)
@@ -173,20 +159,21 @@ func TestFingerprintMatchesEquivalentJSONOnly(t *testing.T) {
 	require.Equal(t, `{"a":"é/","b":[1,{"x":"é","y":2}]}`, string(stored))
 }
 
-// A function that rewrites its own key row breaks the single-phase run's
-// bookkeeping: nothing may commit then, although COMMIT is pipelined.
-func TestSinglePhaseCommitsNothingIfItsKeyRowChanged(t *testing.T) {
+// Params: what PostgreSQL cannot hold is ErrInvalidRequest before any SQL,
+// and a resumed attempt sees the params byte for byte as the first did.
+func TestParamsPostgreSQLCannotHoldAreInvalidRequestBeforeAnySQL(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, nil)
 	ctx := ctxT(t)
-	_, err := e.runner.Run(ctx, chargeKey("k1", 1), func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
-		if _, err := tx.Exec(ctx, `INSERT INTO charges (ref, amount) VALUES ('x', 1)`); err != nil {
-			return txn.Response{}, err
-		}
-		_, err := tx.Exec(ctx, `UPDATE idempotency_keys SET request_path = request_path`) // moves the row
-		return txn.Response{Status: 201}, err
-	})
-	require.Error(t, err)
-	require.Equal(t, 0, e.Count(t, `SELECT count(*) FROM charges`), "the business write did not commit")
-	require.Equal(t, 0, e.Count(t, `SELECT count(*) FROM idempotency_keys`))
+	r, qc := e.countingRunner(t, nil)
+	for _, p := range []string{`{"amount":1e1000000}`, `[1e-20000]`, `{"a":"\u0000"}`} {
+		k := chargeKey("k", 1)
+		k.Params = []byte(p)
+		_, err := r.Run(ctx, k, func(context.Context, pgx.Tx) (txn.Response, error) { return txn.JSON(201, 1) })
+		require.ErrorIs(t, err, txn.ErrInvalidRequest, p)
+		var reqErr *txn.RequestError
+		require.True(t, errors.As(err, &reqErr), p)
+		require.Equal(t, "params", reqErr.Field)
+	}
+	require.Zero(t, qc.n.Load(), "no statement was sent")
 }

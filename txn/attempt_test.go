@@ -1,0 +1,351 @@
+package txn_test
+
+import (
+	"context"
+	"encoding/json"
+	"net/http"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+
+	"github.com/atomicphase/atomicphase/txn"
+)
+
+func TestRule5_StaleHolderCannotCommitAfterTakeover(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, &txn.Config{LeaseDuration: time.Minute})
+	ctx := ctxT(t)
+	f := newRideFlow(t, e.reg, "ride")
+	paused, resume := make(chan struct{}), make(chan struct{})
+	var first atomic.Bool
+	first.Store(true)
+	f.hook = func(point string, a *txn.Attempt) {
+		if point == "after_p2" && a.Number() == 1 && first.CompareAndSwap(true, false) {
+			close(paused)
+			<-resume
+		}
+	}
+	stale := make(chan error, 1)
+	go func() { _, err := e.runner.RunWorkflow(ctx, rideKey("k1"), f.wf); stale <- err }()
+	<-paused
+
+	// The holder's lease expires (by the database clock); a retry takes over
+	// with a new token and finishes the operation.
+	_, err := e.Pool.Exec(ctx, `UPDATE idempotency_keys SET leased_until = now() - interval '1 second'`)
+	require.NoError(t, err)
+	resp, err := e.runner.RunWorkflow(ctx, rideKey("k1"), f.wf)
+	require.NoError(t, err)
+	require.Equal(t, 201, resp.Status)
+	k := readKey(t, e.Pool, "user_1", "k1")
+	require.Equal(t, 2, k.Attempts)
+	require.Equal(t, "finished", k.Status)
+
+	// The stale holder wakes and tries to commit its final phase: fenced.
+	close(resume)
+	err = <-stale
+	require.ErrorIs(t, err, txn.ErrLeaseLost)
+	require.Equal(t, http.StatusConflict, txn.HTTPStatus(err))
+	require.Equal(t, 0, e.Count(t, `SELECT count(*) FROM charges WHERE ref LIKE 'ch_%' AND attempt = 1`), "stale holder's writes are absent")
+	require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM charges WHERE ref LIKE 'ch_%'`))
+	require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM charges WHERE ref = 'ride'`))
+	require.Equal(t, 1, f.prov.distinct())
+	require.Equal(t, k.Xmin, readKey(t, e.Pool, "user_1", "k1").Xmin, "the finished key was not touched by the stale holder")
+}
+
+func TestRule5_LeaseIsExtendedAtEachPhase(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, &txn.Config{LeaseDuration: time.Hour})
+	ctx := ctxT(t)
+	f := newRideFlow(t, e.reg, "ride")
+	var untils []time.Time
+	f.hook = func(point string, _ *txn.Attempt) {
+		if point == "after_p1" || point == "after_p2" {
+			var u time.Time
+			require.NoError(t, e.Pool.QueryRow(ctx, `SELECT leased_until FROM idempotency_keys`).Scan(&u))
+			untils = append(untils, u)
+		}
+	}
+	_, err := e.runner.RunWorkflow(ctx, rideKey("k1"), f.wf)
+	require.NoError(t, err)
+	require.Len(t, untils, 2)
+	require.True(t, untils[1].After(untils[0]), "each phase extends the lease")
+}
+
+func TestRule6_SerializationFailureRetriesOnlyTheFailingPhase(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, &txn.Config{RetryBaseDelay: time.Millisecond})
+	ctx := ctxT(t)
+	var p1, p2 atomic.Int64
+	wf := txn.NewWorkflow("retrying", func(ctx context.Context, a *txn.Attempt) (txn.Response, error) {
+		if _, err := txn.Atomic(ctx, a, "one", func(ctx context.Context, tx pgx.Tx) (int, error) {
+			p1.Add(1)
+			_, err := tx.Exec(ctx, `INSERT INTO charges (ref, amount) VALUES ('one', 1)`)
+			return 1, err
+		}); err != nil {
+			return txn.Response{}, err
+		}
+		return a.Finish(ctx, func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+			n := p2.Add(1)
+			if _, err := tx.Exec(ctx, `INSERT INTO charges (ref, amount) VALUES ('two', 1)`); err != nil {
+				return txn.Response{}, err
+			}
+			code := map[int64]string{1: "40001", 2: "40P01"}[n]
+			if code != "" {
+				_, err := tx.Exec(ctx, `DO $$ BEGIN RAISE EXCEPTION 'injected' USING ERRCODE = '`+code+`'; END $$`)
+				return txn.Response{}, err
+			}
+			return txn.Response{Status: 201, Body: []byte("ok")}, nil
+		})
+	})
+	require.NoError(t, e.reg.Register(wf))
+	resp, err := e.runner.RunWorkflow(ctx, rideKey("k1"), wf)
+	require.NoError(t, err)
+	require.Equal(t, 201, resp.Status)
+	require.Equal(t, int64(1), p1.Load(), "the committed phase is not retried")
+	require.Equal(t, int64(3), p2.Load(), "the failing phase ran until it committed")
+	require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM charges WHERE ref = 'two'`), "rolled-back tries left nothing")
+	require.Equal(t, uint64(2), e.runner.Stats().Retries)
+}
+
+func TestRule6_PersistentConflictIsErrConflictAtLastPoint(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, &txn.Config{MaxRetries: 3, RetryBaseDelay: time.Millisecond})
+	ctx := ctxT(t)
+	var tries atomic.Int64
+	wf := txn.NewWorkflow("conflicting", func(ctx context.Context, a *txn.Attempt) (txn.Response, error) {
+		if _, err := txn.Atomic(ctx, a, "one", func(ctx context.Context, tx pgx.Tx) (int, error) { return 1, nil }); err != nil {
+			return txn.Response{}, err
+		}
+		return a.Finish(ctx, func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+			tries.Add(1)
+			_, err := tx.Exec(ctx, `DO $$ BEGIN RAISE EXCEPTION 'injected' USING ERRCODE = '40001'; END $$`)
+			return txn.Response{}, err
+		})
+	})
+	require.NoError(t, e.reg.Register(wf))
+	_, err := e.runner.RunWorkflow(ctx, rideKey("k1"), wf)
+	require.ErrorIs(t, err, txn.ErrConflict)
+	require.Equal(t, http.StatusConflict, txn.HTTPStatus(err))
+	require.Equal(t, int64(4), tries.Load(), "one try plus MaxRetries retries")
+	k := readKey(t, e.Pool, "user_1", "k1")
+	require.Equal(t, "running", k.Status)
+	require.Equal(t, "one", k.RecoveryPoint)
+	require.False(t, k.LeaseHeld, "released for a later retry")
+}
+
+func TestRule8_ForeignPhaseGetsStableDerivedKey(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	var keys []string
+	var calls, afterRuns atomic.Int64
+	fail := true
+	wf := txn.NewWorkflow("foreign", func(ctx context.Context, a *txn.Attempt) (txn.Response, error) {
+		ch, err := txn.Foreign(ctx, a, "charge", func(ctx context.Context, fk string) (string, error) {
+			calls.Add(1)
+			keys = append(keys, fk)
+			if fail {
+				return "", errInjected // e.g. a timeout: did the provider charge? unknown
+			}
+			return "ch_" + fk[:8], nil
+		})
+		if err != nil {
+			return txn.Response{}, err
+		}
+		if _, err := txn.Atomic(ctx, a, "after", func(ctx context.Context, tx pgx.Tx) (int, error) {
+			if afterRuns.Add(1) == 1 {
+				return 0, errInjected // fail after the foreign result was committed
+			}
+			return 1, nil
+		}); err != nil {
+			return txn.Response{}, err
+		}
+		return txn.Response{Status: 201, Body: []byte(ch)}, nil
+	})
+	require.NoError(t, e.reg.Register(wf))
+	_, err := e.runner.RunWorkflow(ctx, rideKey("k1"), wf)
+	require.ErrorIs(t, err, errInjected)
+	fail = false
+	_, err = e.runner.RunWorkflow(ctx, rideKey("k1"), wf)
+	require.ErrorIs(t, err, errInjected)
+	resp, err := e.runner.RunWorkflow(ctx, rideKey("k1"), wf)
+	require.NoError(t, err)
+	require.Equal(t, int64(2), calls.Load(), "not called again once its result committed")
+	require.Equal(t, keys[0], keys[1], "the same derived key on every retry")
+	require.True(t, strings.HasPrefix(keys[0], "ap_"))
+	require.Equal(t, "ch_"+keys[0][:8], string(resp.Body))
+
+	// A new operation under a reused key value (after expiry) derives a new key.
+	_, err = e.Pool.Exec(ctx, `DELETE FROM idempotency_keys`)
+	require.NoError(t, err)
+	_, err = e.runner.RunWorkflow(ctx, rideKey("k1"), wf)
+	require.NoError(t, err)
+	require.NotEqual(t, keys[0], keys[2])
+}
+
+func TestPhaseMisuseIsReportedAndTransient(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	for name, body := range map[string]txn.WorkflowFunc{
+		"repeated phase": func(ctx context.Context, a *txn.Attempt) (txn.Response, error) {
+			if _, err := txn.Atomic(ctx, a, "p", func(context.Context, pgx.Tx) (int, error) { return 1, nil }); err != nil {
+				return txn.Response{}, err
+			}
+			_, err := txn.Atomic(ctx, a, "p", func(context.Context, pgx.Tx) (int, error) { return 1, nil })
+			return txn.Response{Status: 200}, err
+		},
+		"reserved name": func(ctx context.Context, a *txn.Attempt) (txn.Response, error) {
+			_, err := txn.Atomic(ctx, a, "finished", func(context.Context, pgx.Tx) (int, error) { return 1, nil })
+			return txn.Response{Status: 200}, err
+		},
+		"unencodable result": func(ctx context.Context, a *txn.Attempt) (txn.Response, error) {
+			_, err := txn.Atomic(ctx, a, "p", func(context.Context, pgx.Tx) (chan int, error) { return make(chan int), nil })
+			return txn.Response{Status: 200}, err
+		},
+	} {
+		wf := txn.NewWorkflow(strings.ReplaceAll(name, " ", "_"), body)
+		require.NoError(t, e.reg.Register(wf))
+		_, err := e.runner.RunWorkflow(ctx, rideKey(wf.Name()), wf)
+		require.ErrorIs(t, err, txn.ErrInvalidUse, name)
+		require.False(t, readKey(t, e.Pool, "user_1", wf.Name()).LeaseHeld, name)
+	}
+}
+
+// A lease is extended from the time of the phase's commit, not from the
+// start of its transaction: a phase that runs longer than the lease commits
+// a lease that is still live, so no other attempt may take the key over.
+func TestLeaseOutlivesAPhaseLongerThanTheLease(t *testing.T) {
+	t.Parallel()
+	const lease, phase = time.Second, 1200 * time.Millisecond
+	e := newEnv(t, &txn.Config{LeaseDuration: lease})
+	ctx := ctxT(t)
+	var counted, remaining float64 // seconds
+	var inUse error
+	var wf *txn.Workflow
+	wf = txn.NewWorkflow("slow_phase", func(ctx context.Context, a *txn.Attempt) (txn.Response, error) {
+		if _, err := txn.Atomic(ctx, a, "slow", func(ctx context.Context, tx pgx.Tx) (int, error) {
+			// The phase outlasts the lease (a slow query, a lock wait).
+			_, err := tx.Exec(ctx, `SELECT pg_sleep($1)`, phase.Seconds())
+			return 1, err
+		}); err != nil {
+			return txn.Response{}, err
+		}
+		// last_run_at is the phase transaction's start (now()); the lease
+		// must count from after the phase's work.
+		if err := e.Pool.QueryRow(ctx, `SELECT extract(epoch FROM leased_until - last_run_at),
+			extract(epoch FROM leased_until - clock_timestamp()) FROM idempotency_keys WHERE key = 'k1'`).
+			Scan(&counted, &remaining); err != nil {
+			return txn.Response{}, err
+		}
+		_, inUse = e.runner.RunWorkflow(ctx, rideKey("k1"), wf)
+		return txn.JSON(201, "done")
+	})
+	require.NoError(t, e.reg.Register(wf))
+	resp, err := e.runner.RunWorkflow(ctx, rideKey("k1"), wf)
+	require.NoError(t, err)
+	require.Equal(t, 201, resp.Status)
+	require.GreaterOrEqual(t, counted, (lease + phase).Seconds(), "the lease counts from the commit, not the phase's start")
+	require.Greater(t, remaining, 0.0, "the lease is live after the commit")
+	require.ErrorIs(t, inUse, txn.ErrKeyInUse, "a concurrent retry cannot take the key over")
+	require.Equal(t, 1, readKey(t, e.Pool, "user_1", "k1").Attempts)
+}
+
+// An attempt that holds its lease while the key passes MaxAge makes no
+// foreign call after that: the lease extension before the call fails the
+// key instead, and that failure is the workflow's answer.
+func TestForeignPhaseOfKeyOlderThanMaxAgeDoesNotCallOut(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	f := newRideFlow(t, e.reg, "ride")
+	f.hook = func(point string, _ *txn.Attempt) {
+		if point == "after_p1" {
+			e.age(t, "k1", 12*time.Hour+time.Second)
+		}
+	}
+	resp, err := e.runner.RunWorkflow(ctx, rideKey("k1"), f.wf)
+	require.NoError(t, err)
+	requireMaxAgeFailure(t, resp)
+	require.Zero(t, f.prov.calls.Load(), "the provider was not called")
+	require.Zero(t, f.p3.Load(), "the final phase did not run")
+	require.Equal(t, "max_age", e.failureReason(t, "k1"))
+	require.Equal(t, "ride_created", readKey(t, e.Pool, "user_1", "k1").RecoveryPoint)
+
+	f.hook = nil
+	again, err := e.runner.RunWorkflow(ctx, rideKey("k1"), f.wf)
+	require.NoError(t, err)
+	require.True(t, again.Replayed)
+	require.Equal(t, resp.Body, again.Body)
+}
+
+// DESIGN rule 12: a foreign call's result is always recorded, and comes
+// back byte for byte on a resume, even what jsonb cannot hold (\u0000, a
+// number beyond numeric's range).
+func TestForeignResultJSONBCannotHoldRoundTripsByteExactThroughResume(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	result := json.RawMessage(`{"memo":"a\u0000b <&>","amount":1e1000000,"fee":1.50,"ok":true}`)
+	want, err := json.Marshal(result) // what encoding/json produces is what is stored
+	require.NoError(t, err)
+
+	var calls atomic.Int64
+	var fail atomic.Bool
+	fail.Store(true)
+	seen := make(chan []byte, 2)
+	wf := txn.NewWorkflow("provider_answer", func(ctx context.Context, a *txn.Attempt) (txn.Response, error) {
+		got, err := txn.Foreign(ctx, a, "charge", func(ctx context.Context, fk string) (json.RawMessage, error) {
+			calls.Add(1)
+			return result, nil
+		})
+		if err != nil {
+			return txn.Response{}, err
+		}
+		seen <- append([]byte(nil), got...)
+		if fail.Load() {
+			return txn.Response{}, errInjected // crash after the phase committed
+		}
+		return a.Finish(ctx, func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+			return txn.Response{Status: 201, Body: got}, nil
+		})
+	})
+	require.NoError(t, e.reg.Register(wf))
+	_, err = e.runner.RunWorkflow(ctx, rideKey("k"), wf)
+	require.ErrorIs(t, err, errInjected)
+	require.Equal(t, "charge", readKey(t, e.Pool, "user_1", "k").RecoveryPoint, "the result was recorded")
+	require.Equal(t, string(want), string(<-seen), "the first attempt sees the stored form")
+
+	fail.Store(false)
+	resp, err := e.runner.Resume(ctx, "user_1", "k")
+	require.NoError(t, err)
+	require.Equal(t, string(want), string(<-seen), "the resumed attempt sees the same bytes")
+	require.Equal(t, string(want), string(resp.Body))
+	require.Equal(t, int64(1), calls.Load(), "the provider was called once")
+}
+
+// A rejection from the final phase before anything took effect rolls back
+// that phase's writes too, and leaves no key.
+func TestFinishRejectionBeforeAnyPhaseRollsBackAndLeavesNoKey(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	wf := txn.NewWorkflow("finish_only", func(ctx context.Context, a *txn.Attempt) (txn.Response, error) {
+		return a.Finish(ctx, func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+			if _, err := tx.Exec(ctx, `INSERT INTO charges (ref, amount) VALUES ('finish', 1)`); err != nil {
+				return txn.Response{}, err
+			}
+			return txn.JSON(409, "out of stock")
+		})
+	})
+	require.NoError(t, e.reg.Register(wf))
+	resp, err := e.runner.RunWorkflow(ctx, rideKey("k1"), wf)
+	require.NoError(t, err)
+	require.Equal(t, 409, resp.Status)
+	require.Zero(t, e.Count(t, `SELECT count(*) FROM idempotency_keys`))
+	require.Zero(t, e.Count(t, `SELECT count(*) FROM charges`))
+}

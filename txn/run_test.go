@@ -1,0 +1,405 @@
+package txn_test
+
+import (
+	"context"
+	"errors"
+	"net/http"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+
+	"github.com/atomicphase/atomicphase/txn"
+)
+
+func TestRule1_NewKeyRunsOnceAndStoresResponseWithWrites(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	var calls atomic.Int64
+
+	resp, err := e.runner.Run(ctx, chargeKey("k1", 500), insertCharge(&calls, "c1", 500))
+	require.NoError(t, err)
+	require.Equal(t, 201, resp.Status)
+	require.False(t, resp.Replayed)
+	require.Equal(t, int64(1), calls.Load())
+	require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM idempotency_keys`))
+	require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM charges`))
+
+	k := readKey(t, e.Pool, "acct_1", "k1")
+	require.Equal(t, "finished", k.Status)
+	require.Equal(t, 201, *k.RespStatus)
+	require.Equal(t, resp.Body, k.RespBody)
+	require.False(t, k.LeaseHeld)
+
+	// The key row and the business row were written by the same transaction.
+	require.Equal(t, 1, e.Count(t, `SELECT count(DISTINCT k.xmin::text) FROM idempotency_keys k, charges c WHERE k.xmin::text = c.xmin::text`))
+}
+
+func TestRule1_FailedBodyStoresNothing(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	_, err := e.runner.Run(ctx, chargeKey("k1", 500), func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+		if _, err := tx.Exec(ctx, `INSERT INTO charges (ref, amount) VALUES ('x', 1)`); err != nil {
+			return txn.Response{}, err
+		}
+		return txn.Response{}, errInjected
+	})
+	require.ErrorIs(t, err, errInjected)
+	require.Equal(t, 0, e.Count(t, `SELECT count(*) FROM idempotency_keys`))
+	require.Equal(t, 0, e.Count(t, `SELECT count(*) FROM charges`))
+
+	// A retry runs afresh.
+	var calls atomic.Int64
+	resp, err := e.runner.Run(ctx, chargeKey("k1", 500), insertCharge(&calls, "c1", 500))
+	require.NoError(t, err)
+	require.Equal(t, 201, resp.Status)
+	require.Equal(t, int64(1), calls.Load())
+}
+
+func TestRule2_FinishedKeyReplaysByteForByteInOneRoundTrip(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	body := []byte("{\"weird\":  \"spacing\" , \"n\":1.50}\n")
+	first, err := e.runner.Run(ctx, chargeKey("k1", 500), func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+		return txn.Response{Status: 201, Header: http.Header{"Location": {"/charges/1"}, "X-Multi": {"a", "b"}}, Body: body}, nil
+	})
+	require.NoError(t, err)
+	before := readKey(t, e.Pool, "acct_1", "k1")
+
+	r2, qc := e.countingRunner(t, nil)
+	var ran atomic.Bool
+	again, err := r2.Run(ctx, chargeKey("k1", 500), func(context.Context, pgx.Tx) (txn.Response, error) {
+		ran.Store(true)
+		return txn.Response{Status: 500}, nil
+	})
+	require.NoError(t, err)
+	require.False(t, ran.Load(), "no user code runs on replay")
+	require.True(t, again.Replayed)
+	require.Equal(t, first.Status, again.Status)
+	require.Equal(t, body, again.Body)
+	require.Equal(t, first.Header, again.Header)
+	require.Equal(t, int64(1), qc.n.Load(), "a replay is one statement")
+	require.Equal(t, before.Xmin, readKey(t, e.Pool, "acct_1", "k1").Xmin, "the row is not written")
+	require.Equal(t, uint64(1), r2.Stats().Replayed)
+}
+
+func TestRule3_SameKeyDifferentFingerprintIsKeyReused(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	var calls atomic.Int64
+	_, err := e.runner.Run(ctx, chargeKey("k1", 500), insertCharge(&calls, "c1", 500))
+	require.NoError(t, err)
+	before := readKey(t, e.Pool, "acct_1", "k1")
+
+	for name, k := range map[string]txn.Key{
+		"amount": chargeKey("k1", 999),
+		"method": func() txn.Key { k := chargeKey("k1", 500); k.Method = "PUT"; return k }(),
+		"path":   func() txn.Key { k := chargeKey("k1", 500); k.Path = "/refunds"; return k }(),
+	} {
+		_, err := e.runner.Run(ctx, k, insertCharge(&calls, "c2", 999))
+		require.ErrorIs(t, err, txn.ErrKeyReused, name)
+		require.Equal(t, http.StatusUnprocessableEntity, txn.HTTPStatus(err))
+		var kse *txn.KeyStateError
+		require.ErrorAs(t, err, &kse)
+		require.Equal(t, "finished", kse.Status)
+	}
+	require.Equal(t, int64(1), calls.Load(), "nothing ran")
+	require.Equal(t, before.Xmin, readKey(t, e.Pool, "acct_1", "k1").Xmin, "row unchanged")
+	require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM charges`))
+}
+
+func TestRule4_ConcurrentAttemptGetsKeyInUseAtOnce(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	entered, release := make(chan struct{}), make(chan struct{})
+	var calls atomic.Int64
+	done := make(chan error, 1)
+	go func() {
+		_, err := e.runner.Run(ctx, chargeKey("k1", 500), func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+			calls.Add(1)
+			close(entered)
+			<-release // holds the transaction (and the key) open
+			return insertCharge(&atomic.Int64{}, "c1", 500)(ctx, tx)
+		})
+		done <- err
+	}()
+	<-entered
+
+	// The holder's insert is uncommitted: the second caller must not wait
+	// on the unique index but answer ErrKeyInUse while the holder still holds.
+	_, err := e.runner.Run(ctx, chargeKey("k1", 500), insertCharge(&calls, "c2", 500))
+	require.ErrorIs(t, err, txn.ErrKeyInUse)
+	require.Equal(t, http.StatusConflict, txn.HTTPStatus(err))
+	var kse *txn.KeyStateError
+	require.ErrorAs(t, err, &kse)
+	require.GreaterOrEqual(t, kse.RetryAfter, time.Second)
+
+	close(release)
+	require.NoError(t, <-done)
+	require.Equal(t, int64(1), calls.Load())
+}
+
+func TestRule4_WaitModeBlocksUntilHolderFinishesThenReplays(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, &txn.Config{WaitWhenInUse: true, WaitPollInterval: 5 * time.Millisecond})
+	ctx := ctxT(t)
+	entered, release := make(chan struct{}), make(chan struct{})
+	var calls atomic.Int64
+	type result struct {
+		resp txn.Response
+		err  error
+	}
+	done := make(chan result, 1)
+	go func() {
+		resp, err := e.runner.Run(ctx, chargeKey("k1", 500), func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+			close(entered)
+			<-release
+			return insertCharge(&calls, "c1", 500)(ctx, tx)
+		})
+		done <- result{resp, err}
+	}()
+	<-entered
+	waiter := make(chan result, 1)
+	go func() {
+		resp, err := e.runner.Run(ctx, chargeKey("k1", 500), insertCharge(&calls, "c2", 500))
+		waiter <- result{resp, err}
+	}()
+	select {
+	case <-waiter:
+		t.Fatal("waiter returned while the holder still runs")
+	case <-time.After(100 * time.Millisecond):
+	}
+	close(release)
+	first, second := <-done, <-waiter
+	require.NoError(t, first.err)
+	require.NoError(t, second.err)
+	require.True(t, second.resp.Replayed)
+	require.Equal(t, first.resp.Body, second.resp.Body)
+	require.Equal(t, int64(1), calls.Load())
+
+	// Waiting is bounded by ctx. The holder is inside its function, so its
+	// insert (and the key's advisory lock) is in place before the waiter
+	// starts; the waiter's deadline starts then too.
+	entered2, blocker := make(chan struct{}), make(chan struct{})
+	held := make(chan result, 1)
+	go func() {
+		resp, err := e.runner.Run(ctx, chargeKey("k2", 1), func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+			close(entered2)
+			<-blocker
+			return txn.Response{Status: 204}, nil
+		})
+		held <- result{resp, err}
+	}()
+	<-entered2
+	short, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
+	defer cancel()
+	_, err := e.runner.Run(short, chargeKey("k2", 1), insertCharge(&calls, "c3", 1))
+	require.ErrorIs(t, err, context.DeadlineExceeded)
+	require.Equal(t, int64(1), calls.Load(), "the waiter ran nothing")
+	close(blocker)
+	h := <-held
+	require.NoError(t, h.err)
+	require.Equal(t, 204, h.resp.Status)
+}
+
+func TestRule6_RealSerializationConflictsConvergeExactly(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, &txn.Config{MaxRetries: 50, RetryBaseDelay: time.Millisecond})
+	ctx := ctxT(t)
+	_, err := e.Pool.Exec(ctx, `CREATE TABLE counter (n int NOT NULL); INSERT INTO counter VALUES (0)`)
+	require.NoError(t, err)
+	const workers, perWorker = 8, 10
+	var wg sync.WaitGroup
+	for w := range workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := range perWorker {
+				_, err := e.runner.Run(ctx, chargeKey(strings.Repeat("w", w+1)+"-"+string(rune('a'+i)), 1),
+					func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+						var n int
+						if err := tx.QueryRow(ctx, `SELECT n FROM counter`).Scan(&n); err != nil {
+							return txn.Response{}, err
+						}
+						if _, err := tx.Exec(ctx, `UPDATE counter SET n = $1`, n+1); err != nil {
+							return txn.Response{}, err
+						}
+						return txn.Response{Status: 200}, nil
+					})
+				require.NoError(t, err)
+			}
+		}()
+	}
+	wg.Wait()
+	require.Equal(t, workers*perWorker, e.Count(t, `SELECT n FROM counter`), "no lost update")
+	require.Equal(t, workers*perWorker, e.Count(t, `SELECT count(*) FROM idempotency_keys WHERE status = 'finished'`))
+	t.Logf("serialization retries: %d", e.runner.Stats().Retries)
+}
+
+// A function that rewrites its own key row breaks the single-phase run's
+// bookkeeping: nothing may commit then, although COMMIT is pipelined.
+func TestSinglePhaseCommitsNothingIfItsKeyRowChanged(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	_, err := e.runner.Run(ctx, chargeKey("k1", 1), func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+		if _, err := tx.Exec(ctx, `INSERT INTO charges (ref, amount) VALUES ('x', 1)`); err != nil {
+			return txn.Response{}, err
+		}
+		_, err := tx.Exec(ctx, `UPDATE idempotency_keys SET request_path = request_path`) // moves the row
+		return txn.Response{Status: 201}, err
+	})
+	require.Error(t, err)
+	require.Equal(t, 0, e.Count(t, `SELECT count(*) FROM charges`), "the business write did not commit")
+	require.Equal(t, 0, e.Count(t, `SELECT count(*) FROM idempotency_keys`))
+}
+
+func TestFiftyGoroutinesOnOneNewKeyRunItOnce(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	var calls atomic.Int64
+	var executed, replayed, inUse atomic.Int64
+	var bodies sync.Map
+	start := make(chan struct{})
+	var wg sync.WaitGroup
+	for range 50 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			<-start
+			resp, err := e.runner.Run(ctx, chargeKey("k1", 700), func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+				time.Sleep(200 * time.Millisecond) // hold the key while others arrive
+				return insertCharge(&calls, "c1", 700)(ctx, tx)
+			})
+			switch {
+			case err == nil && resp.Replayed:
+				replayed.Add(1)
+				bodies.Store(string(resp.Body), true)
+			case err == nil:
+				executed.Add(1)
+				bodies.Store(string(resp.Body), true)
+			case errors.Is(err, txn.ErrKeyInUse):
+				inUse.Add(1)
+			default:
+				t.Errorf("unexpected result: %v", err)
+			}
+		}()
+	}
+	close(start)
+	wg.Wait()
+	require.Equal(t, int64(1), calls.Load(), "fn ran exactly once")
+	require.Equal(t, int64(1), executed.Load())
+	require.Equal(t, int64(50), executed.Load()+replayed.Load()+inUse.Load())
+	require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM charges`))
+	n := 0
+	bodies.Range(func(any, any) bool { n++; return true })
+	require.Equal(t, 1, n, "every caller that got a response got the same one")
+	t.Logf("executed=%d replayed=%d in_use=%d", executed.Load(), replayed.Load(), inUse.Load())
+}
+
+func TestAmbiguousCommitRetryReplaysNotReexecutes(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	proxy, pool := e.NewProxy(t)
+	r, err := txn.New(pool, &txn.Config{Workflows: e.reg})
+	require.NoError(t, err)
+
+	var calls atomic.Int64
+	proxy.CutAfterNextCommit()
+	_, err = r.Run(ctx, chargeKey("k1", 900), insertCharge(&calls, "c1", 900))
+	require.Error(t, err, "the caller sees the commit fail")
+	<-proxy.CommitCut()
+	require.Equal(t, "finished", readKey(t, e.Pool, "acct_1", "k1").Status, "but it committed on the server")
+
+	resp, err := r.Run(ctx, chargeKey("k1", 900), insertCharge(&calls, "c1", 900))
+	require.NoError(t, err)
+	require.True(t, resp.Replayed, "the retry replays")
+	require.Equal(t, int64(1), calls.Load())
+	require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM charges`))
+
+	// The same for a workflow's final phase.
+	f := newRideFlow(t, e.reg, "ride")
+	f.hook = func(point string, _ *txn.Attempt) {
+		if point == "in_p3" {
+			proxy.CutAfterNextCommit()
+		}
+	}
+	_, err = r.RunWorkflow(ctx, rideKey("w1"), f.wf)
+	require.Error(t, err)
+	<-proxy.CommitCut()
+	f.hook = nil
+	resp, err = r.RunWorkflow(ctx, rideKey("w1"), f.wf)
+	require.NoError(t, err)
+	require.True(t, resp.Replayed)
+	require.Equal(t, int64(1), f.p3.Load())
+	require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM charges WHERE ref LIKE 'ch_%'`))
+}
+
+func TestTerminatedBackendMidPhaseIsTransient(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	var calls atomic.Int64
+	var pid int32
+	_, err := e.runner.Run(ctx, chargeKey("k1", 1), func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+		calls.Add(1)
+		if err := tx.QueryRow(ctx, `INSERT INTO charges (ref, amount) VALUES ('x', 1) RETURNING pg_backend_pid()`).Scan(&pid); err != nil {
+			return txn.Response{}, err
+		}
+		_, err := tx.Exec(ctx, `SELECT pg_terminate_backend(pg_backend_pid())`)
+		return txn.Response{Status: 201}, err
+	})
+	require.Error(t, err)
+	require.Equal(t, 0, e.Count(t, `SELECT count(*) FROM idempotency_keys`))
+	require.Equal(t, 0, e.Count(t, `SELECT count(*) FROM charges`))
+	// The client sees the FATAL before the backend has aborted its
+	// transaction: until it exits it still holds the key's advisory lock, and
+	// a retry in that window is rightly answered ErrKeyInUse (its insert is
+	// in flight). Retry once the backend is gone.
+	require.Eventually(t, func() bool {
+		return e.Count(t, `SELECT count(*) FROM pg_stat_activity WHERE pid = $1`, pid) == 0
+	}, 10*time.Second, 5*time.Millisecond)
+	resp, err := e.runner.Run(ctx, chargeKey("k1", 1), insertCharge(&calls, "c", 1))
+	require.NoError(t, err)
+	require.Equal(t, 201, resp.Status)
+	require.Equal(t, int64(2), calls.Load())
+}
+
+// The same scope and key in another schema (another installation in the
+// same database) is a different operation, never "in use".
+func TestSameKeyInAnotherSchemaIsIndependent(t *testing.T) {
+	t.Parallel()
+	a, b := newEnv(t, nil), newEnv(t, nil)
+	ctx := ctxT(t)
+	entered, release := make(chan struct{}), make(chan struct{})
+	done := make(chan error, 1)
+	go func() {
+		_, err := a.runner.Run(ctx, chargeKey("shared", 1), func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+			close(entered)
+			<-release
+			return txn.Response{Status: 201}, nil
+		})
+		done <- err
+	}()
+	<-entered
+	var calls atomic.Int64
+	resp, err := b.runner.Run(ctx, chargeKey("shared", 1), insertCharge(&calls, "c", 1))
+	require.NoError(t, err, "not blocked by the other schema's in-flight key")
+	require.Equal(t, 201, resp.Status)
+	f := newRideFlow(t, b.reg, "ride")
+	_, err = b.runner.RunWorkflow(ctx, txn.Key{Scope: "acct_1", Value: "shared", Method: "POST", Path: "/rides", Params: []byte(`{"amount": 1}`)}, f.wf)
+	require.ErrorIs(t, err, txn.ErrKeyReused, "same schema, other request: reuse, decided by the row")
+	close(release)
+	require.NoError(t, <-done)
+}
