@@ -15,7 +15,7 @@ import (
 	"github.com/atomicphase/atomicphase/txn"
 )
 
-func TestRule5_StaleHolderCannotCommitAfterTakeover(t *testing.T) {
+func TestStaleHolderCannotCommitAfterTakeover(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, &txn.Config{LeaseDuration: time.Minute})
 	ctx := ctxT(t)
@@ -56,7 +56,7 @@ func TestRule5_StaleHolderCannotCommitAfterTakeover(t *testing.T) {
 	require.Equal(t, k.Xmin, readKey(t, e.Pool, "user_1", "k1").Xmin, "the finished key was not touched by the stale holder")
 }
 
-func TestRule5_LeaseIsExtendedAtEachPhase(t *testing.T) {
+func TestLeaseIsExtendedAtEachPhase(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, &txn.Config{LeaseDuration: time.Hour})
 	ctx := ctxT(t)
@@ -75,7 +75,7 @@ func TestRule5_LeaseIsExtendedAtEachPhase(t *testing.T) {
 	require.True(t, untils[1].After(untils[0]), "each phase extends the lease")
 }
 
-func TestRule6_SerializationFailureRetriesOnlyTheFailingPhase(t *testing.T) {
+func TestSerializationFailureRetriesOnlyTheFailingPhase(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, &txn.Config{RetryBaseDelay: time.Millisecond})
 	ctx := ctxT(t)
@@ -111,7 +111,7 @@ func TestRule6_SerializationFailureRetriesOnlyTheFailingPhase(t *testing.T) {
 	require.Equal(t, uint64(2), e.runner.Stats().Retries)
 }
 
-func TestRule6_PersistentConflictIsErrConflictAtLastPoint(t *testing.T) {
+func TestPersistentConflictIsErrConflictAtLastPoint(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, &txn.Config{MaxRetries: 3, RetryBaseDelay: time.Millisecond})
 	ctx := ctxT(t)
@@ -137,7 +137,7 @@ func TestRule6_PersistentConflictIsErrConflictAtLastPoint(t *testing.T) {
 	require.False(t, k.LeaseHeld, "released for a later retry")
 }
 
-func TestRule8_ForeignPhaseGetsStableDerivedKey(t *testing.T) {
+func TestForeignPhaseGetsStableDerivedKey(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, nil)
 	ctx := ctxT(t)
@@ -283,7 +283,7 @@ func TestForeignPhaseOfKeyOlderThanMaxAgeDoesNotCallOut(t *testing.T) {
 	require.Equal(t, resp.Body, again.Body)
 }
 
-// DESIGN rule 12: a foreign call's result is always recorded, and comes
+// A foreign call's result is always recorded, and comes
 // back byte for byte on a resume, even what jsonb cannot hold (\u0000, a
 // number beyond numeric's range).
 func TestForeignResultJSONBCannotHoldRoundTripsByteExactThroughResume(t *testing.T) {

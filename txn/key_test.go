@@ -14,7 +14,7 @@ import (
 	"github.com/atomicphase/atomicphase/txn"
 )
 
-func TestRule10_InvalidKeysAreRejectedBeforeAnySQL(t *testing.T) {
+func TestInvalidKeysAreRejectedBeforeAnySQL(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, nil)
 	ctx := ctxT(t)

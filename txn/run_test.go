@@ -16,7 +16,7 @@ import (
 	"github.com/atomicphase/atomicphase/txn"
 )
 
-func TestRule1_NewKeyRunsOnceAndStoresResponseWithWrites(t *testing.T) {
+func TestNewKeyRunsOnceAndStoresResponseWithWrites(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, nil)
 	ctx := ctxT(t)
@@ -40,7 +40,7 @@ func TestRule1_NewKeyRunsOnceAndStoresResponseWithWrites(t *testing.T) {
 	require.Equal(t, 1, e.Count(t, `SELECT count(DISTINCT k.xmin::text) FROM idempotency_keys k, charges c WHERE k.xmin::text = c.xmin::text`))
 }
 
-func TestRule1_FailedBodyStoresNothing(t *testing.T) {
+func TestFunctionErrorStoresNothingAndRetryRunsAgain(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, nil)
 	ctx := ctxT(t)
@@ -62,7 +62,7 @@ func TestRule1_FailedBodyStoresNothing(t *testing.T) {
 	require.Equal(t, int64(1), calls.Load())
 }
 
-func TestRule2_FinishedKeyReplaysByteForByteInOneRoundTrip(t *testing.T) {
+func TestFinishedKeyReplaysByteForByteInOneRoundTrip(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, nil)
 	ctx := ctxT(t)
@@ -90,7 +90,7 @@ func TestRule2_FinishedKeyReplaysByteForByteInOneRoundTrip(t *testing.T) {
 	require.Equal(t, uint64(1), r2.Stats().Replayed)
 }
 
-func TestRule3_SameKeyDifferentFingerprintIsKeyReused(t *testing.T) {
+func TestSameKeyWithAnotherRequestIsKeyReused(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, nil)
 	ctx := ctxT(t)
@@ -116,7 +116,7 @@ func TestRule3_SameKeyDifferentFingerprintIsKeyReused(t *testing.T) {
 	require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM charges`))
 }
 
-func TestRule4_ConcurrentAttemptGetsKeyInUseAtOnce(t *testing.T) {
+func TestConcurrentAttemptGetsKeyInUseAtOnce(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, nil)
 	ctx := ctxT(t)
@@ -148,7 +148,7 @@ func TestRule4_ConcurrentAttemptGetsKeyInUseAtOnce(t *testing.T) {
 	require.Equal(t, int64(1), calls.Load())
 }
 
-func TestRule4_WaitModeBlocksUntilHolderFinishesThenReplays(t *testing.T) {
+func TestWaitModeBlocksUntilHolderFinishesThenReplays(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, &txn.Config{WaitWhenInUse: true, WaitPollInterval: 5 * time.Millisecond})
 	ctx := ctxT(t)
@@ -211,7 +211,7 @@ func TestRule4_WaitModeBlocksUntilHolderFinishesThenReplays(t *testing.T) {
 	require.Equal(t, 204, h.resp.Status)
 }
 
-func TestRule6_RealSerializationConflictsConvergeExactly(t *testing.T) {
+func TestRealSerializationConflictsConvergeExactly(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, &txn.Config{MaxRetries: 50, RetryBaseDelay: time.Millisecond})
 	ctx := ctxT(t)

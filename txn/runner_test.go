@@ -164,11 +164,11 @@ func TestLogLevelsAndDurations(t *testing.T) {
 	require.Empty(t, atLeast(recs, slog.LevelWarn), "a hit is logged at HitLogLevel only")
 }
 
-// Every pgx query exec mode works (DESIGN rule 15): in exec and simple
-// protocol modes parameters go as text without type OIDs, so jsonb must be
-// bound as text and bytea as bytes. Each mode runs a single-phase key with
-// stored headers, a workflow whose foreign result jsonb cannot hold through
-// a resume, and a key failed for its age.
+// Every pgx query exec mode works, so PgBouncer in transaction mode is
+// supported: in exec and simple protocol modes parameters go as text without
+// type OIDs, so jsonb must be bound as text and bytea as bytes. Each mode
+// runs a single-phase key with stored headers, a workflow whose foreign
+// result jsonb cannot hold through a resume, and a key failed for its age.
 func TestEveryQueryExecModeStoresResumesAndFailsKeys(t *testing.T) {
 	t.Parallel()
 	modes := map[string]pgx.QueryExecMode{

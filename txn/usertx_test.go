@@ -29,7 +29,8 @@ func tryEnd(ctx context.Context, t *testing.T, tx pgx.Tx, ref string) {
 	require.NoError(t, err)
 }
 
-// DESIGN rule 13, on every entry point that hands a transaction to user code.
+// User code cannot end the transaction it was given, on every entry point
+// that hands one to it.
 func TestUserCodeCannotCommitOrRollBackItsTransaction(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, nil)
@@ -91,7 +92,7 @@ func injectSerializationFailure(t *testing.T, e *env, times int) string {
 	return fmt.Sprintf(`SELECT maybe_fail(%d)`, times)
 }
 
-// DESIGN rule 14: a serialization failure met by user code is retried even
+// A serialization failure met by user code is retried even
 // when the code swallowed it and answered, and never becomes a stored
 // response; on Run, Atomic and Finish.
 func TestSerializationFailureSwallowedByUserCodeIsRetriedNeverStored(t *testing.T) {

@@ -17,7 +17,7 @@ import (
 	"github.com/atomicphase/atomicphase/txn"
 )
 
-func TestRule3_KeyUsedByAnotherWorkflowIsKeyReused(t *testing.T) {
+func TestKeyUsedByAnotherWorkflowIsKeyReused(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, nil)
 	ctx := ctxT(t)
@@ -30,7 +30,7 @@ func TestRule3_KeyUsedByAnotherWorkflowIsKeyReused(t *testing.T) {
 	require.Equal(t, int64(0), f.p1.Load())
 }
 
-func TestRule4_WorkflowLeaseHeldGivesKeyInUse(t *testing.T) {
+func TestLiveWorkflowLeaseGivesKeyInUseWithRetryAfter(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, &txn.Config{LeaseDuration: time.Minute})
 	ctx := ctxT(t)
@@ -58,7 +58,7 @@ func TestRule4_WorkflowLeaseHeldGivesKeyInUse(t *testing.T) {
 	require.NoError(t, <-done)
 }
 
-func TestRule5_ExpiredLeaseCanBeTakenOverLiveOneCannot(t *testing.T) {
+func TestExpiredLeaseCanBeTakenOverLiveOneCannot(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, &txn.Config{LeaseDuration: time.Hour})
 	ctx := ctxT(t)
@@ -81,7 +81,7 @@ func TestRule5_ExpiredLeaseCanBeTakenOverLiveOneCannot(t *testing.T) {
 	require.Equal(t, int64(1), f.p1.Load())
 }
 
-func TestRule7_TerminalResponsesAreStoredAndReplayed(t *testing.T) {
+func TestTerminalResponsesAreStoredAndReplayed(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, nil)
 	ctx := ctxT(t)
@@ -114,7 +114,7 @@ func TestRule7_TerminalResponsesAreStoredAndReplayed(t *testing.T) {
 	require.Equal(t, int64(1), calls.Load())
 }
 
-func TestRule7_TransientErrorReleasesKeyAndRetryResumes(t *testing.T) {
+func TestTransientErrorReleasesKeyAndRetryResumes(t *testing.T) {
 	t.Parallel()
 	for _, point := range []string{"after_p1", "foreign", "after_p2", "in_p3"} {
 		t.Run(point, func(t *testing.T) {
@@ -145,7 +145,7 @@ func TestRule7_TransientErrorReleasesKeyAndRetryResumes(t *testing.T) {
 	}
 }
 
-func TestRule7_PanicIsTransient(t *testing.T) {
+func TestPanicIsTransient(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, nil)
 	ctx := ctxT(t)
@@ -179,7 +179,7 @@ func TestRule7_PanicIsTransient(t *testing.T) {
 	require.Equal(t, 201, resp.Status)
 }
 
-func TestRule7_CancelledContextStillReleasesKey(t *testing.T) {
+func TestCancelledContextStillReleasesKey(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, nil)
 	ctx := ctxT(t)
@@ -202,7 +202,7 @@ func TestRule7_CancelledContextStillReleasesKey(t *testing.T) {
 	require.Equal(t, int64(1), f.p1.Load())
 }
 
-func TestRule9_TimesComeFromTheDatabaseClock(t *testing.T) {
+func TestTimesComeFromTheDatabaseClock(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, nil)
 	ctx := ctxT(t)
@@ -568,7 +568,7 @@ func TestConcurrentRejectionsAndCorrectedRequestsOnOneKey(t *testing.T) {
 	require.Equal(t, "finished", readKey(t, e.Pool, "user_1", "k").Status)
 }
 
-// DESIGN rule 11: a client retry of a key older than MaxAge does not take it
+// A client retry of a key older than MaxAge does not take it
 // over (the provider would be called again past its idempotency window): the
 // statement that would have taken it fails it, storing the problem response.
 func TestKeyOlderThanMaxAgeIsFailedNotTakenOver(t *testing.T) {
