@@ -136,11 +136,11 @@ func (c *Cleaner) RunOnce(ctx context.Context) (rep Report, err error) {
 	for _, step := range steps {
 		for {
 			if err := ctx.Err(); err != nil {
-				return rep, wrap(ctx, step.op, err)
+				return rep, service.Wrap(ctx, "cleanup", step.op, err)
 			}
 			n, locked, err := c.batch(ctx, step.del)
 			if err != nil {
-				return rep, wrap(ctx, step.op, err)
+				return rep, service.Wrap(ctx, "cleanup", step.op, err)
 			}
 			if !locked {
 				rep.Skipped = true
@@ -164,7 +164,7 @@ func (c *Cleaner) RunOnce(ctx context.Context) (rep Report, err error) {
 // lock without waiting; locked is false (and nothing deleted) when another
 // cleaner holds it.
 func (c *Cleaner) batch(ctx context.Context, del func(context.Context, *db.Queries) (int64, error)) (n int64, locked bool, err error) {
-	err = inBatch(ctx, func(ctx context.Context) error {
+	err = service.InBatch(ctx, func(ctx context.Context) error {
 		return pgx.BeginFunc(ctx, c.pool, func(tx pgx.Tx) error {
 			q := db.New(tx)
 			ok, err := q.TryLockCleanup(ctx, lockClass)
@@ -182,30 +182,6 @@ func (c *Cleaner) batch(ctx context.Context, del func(context.Context, *db.Queri
 	return n, locked, nil
 }
 
-// batchGrace is how long a batch in flight when the round's context ends
-// may take to finish before it is cancelled (and rolled back).
-const batchGrace = 5 * time.Second
-
-// inBatch runs one batch on a context that outlives ctx by up to
-// batchGrace, so that a stop lets the batch in flight finish and the report
-// counts exactly what was committed; a cancelled statement would race its
-// own commit acknowledgement.
-func inBatch(ctx context.Context, fn func(context.Context) error) error {
-	bctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
-	defer cancel()
-	stop := context.AfterFunc(ctx, func() {
-		t := time.NewTimer(batchGrace)
-		defer t.Stop()
-		select {
-		case <-t.C:
-			cancel()
-		case <-bctx.Done():
-		}
-	})
-	defer stop()
-	return fn(bctx)
-}
-
 // DryRun reports what a round would delete now, and changes nothing
 // (Batches stays zero).
 func (c *Cleaner) DryRun(ctx context.Context) (Report, error) {
@@ -213,18 +189,9 @@ func (c *Cleaner) DryRun(ctx context.Context) (Report, error) {
 		TtlSeconds: c.cfg.TTL.Seconds(), RetentionSeconds: c.cfg.OutboxRetention.Seconds(),
 	})
 	if err != nil {
-		return Report{}, wrap(ctx, "count expired rows", err)
+		return Report{}, service.Wrap(ctx, "cleanup", "count expired rows", err)
 	}
 	return Report{KeysDeleted: n.Keys, OutboxDeleted: n.OutboxMessages}, nil
-}
-
-// wrap names op in err, and reports ctx's error instead when ctx ended, so
-// that callers can tell a stop from a failure with errors.Is.
-func wrap(ctx context.Context, op string, err error) error {
-	if cerr := ctx.Err(); cerr != nil {
-		return fmt.Errorf("cleanup: %s: %w", op, cerr)
-	}
-	return fmt.Errorf("cleanup: %s: %w", op, err)
 }
 
 // Start runs a round at once and then every Config.Interval, in a goroutine,

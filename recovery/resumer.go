@@ -172,19 +172,21 @@ func (r *Resumer) RunOnce(ctx context.Context) (Report, error) {
 	}
 	for {
 		if err := ctx.Err(); err != nil {
-			return rep, wrap(ctx, "claim stalled keys", err)
+			return rep, service.Wrap(ctx, "recovery", "claim stalled keys", err)
 		}
-		rows, err := inBatch(ctx, func(ctx context.Context) ([]db.ClaimStalledKeysRow, error) {
-			return r.q.ClaimStalledKeys(ctx, db.ClaimStalledKeysParams{
+		var rows []db.ClaimStalledKeysRow
+		err := service.InBatch(ctx, func(ctx context.Context) (err error) {
+			rows, err = r.q.ClaimStalledKeys(ctx, db.ClaimStalledKeysParams{
 				ResumeDelaySeconds: r.cfg.ResumeDelay.Seconds(),
 				Registered:         registered,
 				MaxAttempts:        int32(r.cfg.MaxAttempts),
 				MaxAgeSeconds:      r.maxAge.Seconds(),
 				BatchSize:          int32(r.cfg.BatchSize),
 			})
+			return err
 		})
 		if err != nil {
-			return rep, wrap(ctx, "claim stalled keys", err)
+			return rep, service.Wrap(ctx, "recovery", "claim stalled keys", err)
 		}
 		r.resumeAll(ctx, rows, &rep)
 		if err := ctx.Err(); err != nil {
@@ -200,39 +202,6 @@ func (r *Resumer) RunOnce(ctx context.Context) (Report, error) {
 	}
 	rep.Left = int(counts.UnknownWorkflow + counts.MaxAttempts + counts.MaxAge + counts.Resumable + counts.Waiting)
 	return rep, nil
-}
-
-// wrap names op in err, and reports ctx's error instead when ctx ended, so
-// that callers can tell a stop from a failure with errors.Is.
-func wrap(ctx context.Context, op string, err error) error {
-	if cerr := ctx.Err(); cerr != nil {
-		return fmt.Errorf("recovery: %s: %w", op, cerr)
-	}
-	return fmt.Errorf("recovery: %s: %w", op, err)
-}
-
-// batchGrace is how long a batch statement in flight when the round's
-// context ends may take to finish before it is cancelled (and rolled back).
-const batchGrace = 5 * time.Second
-
-// inBatch runs one batch statement on a context that outlives ctx by up to
-// batchGrace, so that a stop lets the statement in flight finish and the
-// report counts exactly what was committed; a cancelled statement would
-// race its own commit acknowledgement.
-func inBatch[T any](ctx context.Context, fn func(context.Context) (T, error)) (T, error) {
-	bctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
-	defer cancel()
-	stop := context.AfterFunc(ctx, func() {
-		t := time.NewTimer(batchGrace)
-		defer t.Stop()
-		select {
-		case <-t.C:
-			cancel()
-		case <-bctx.Done():
-		}
-	})
-	defer stop()
-	return fn(bctx)
 }
 
 // DryRun reports what a round would do now, and changes nothing: Resumed
@@ -261,7 +230,7 @@ func (r *Resumer) count(ctx context.Context, registered []string) (db.CountStall
 		ResumeDelaySeconds:          r.cfg.ResumeDelay.Seconds(),
 	})
 	if err != nil {
-		return counts, wrap(ctx, "count stalled keys", err)
+		return counts, service.Wrap(ctx, "recovery", "count stalled keys", err)
 	}
 	return counts, nil
 }
@@ -269,10 +238,11 @@ func (r *Resumer) count(ctx context.Context, registered []string) (db.CountStall
 func (r *Resumer) failStalled(ctx context.Context, registered []string, rep *Report) error {
 	for {
 		if err := ctx.Err(); err != nil {
-			return wrap(ctx, "fail stalled keys", err)
+			return service.Wrap(ctx, "recovery", "fail stalled keys", err)
 		}
-		rows, err := inBatch(ctx, func(ctx context.Context) ([]db.FailStalledKeysRow, error) {
-			return r.q.FailStalledKeys(ctx, db.FailStalledKeysParams{
+		var rows []db.FailStalledKeysRow
+		err := service.InBatch(ctx, func(ctx context.Context) (err error) {
+			rows, err = r.q.FailStalledKeys(ctx, db.FailStalledKeysParams{
 				ResponseStatus:              FailureStatus,
 				ResponseHeaders:             failure.Header,
 				UnknownWorkflowBody:         r.bodies[ReasonUnknownWorkflow],
@@ -285,9 +255,10 @@ func (r *Resumer) failStalled(ctx context.Context, registered []string, rep *Rep
 				MaxAgeSeconds:               r.maxAge.Seconds(),
 				BatchSize:                   int32(r.cfg.BatchSize),
 			})
+			return err
 		})
 		if err != nil {
-			return wrap(ctx, "fail stalled keys", err)
+			return service.Wrap(ctx, "recovery", "fail stalled keys", err)
 		}
 		for _, row := range rows {
 			switch row.Reason {
