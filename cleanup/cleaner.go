@@ -76,7 +76,7 @@ type Cleaner struct {
 	cfg  Config
 	log  *slog.Logger
 
-	loop service.Loop
+	life service.Lifecycle
 }
 
 // New returns a Cleaner over pool. cfg may be nil. Invalid values give an
@@ -197,17 +197,18 @@ func (c *Cleaner) DryRun(ctx context.Context) (Report, error) {
 // Start runs a round at once and then every Config.Interval, in a goroutine,
 // until ctx ends or Stop is called. Each round's outcome is logged; a
 // round's error does not stop the loop. Start on a running Cleaner returns
-// ErrAlreadyStarted.
+// ErrAlreadyStarted; one whose ctx ended may be started again.
 func (c *Cleaner) Start(ctx context.Context) error {
-	if !c.loop.Start(ctx, c.cfg.Interval, c.round) {
-		return fmt.Errorf("cleanup: start: %w", ErrAlreadyStarted)
+	if err := c.life.Start(ctx, nil, service.Every(c.cfg.Interval, c.round)); err != nil {
+		return fmt.Errorf("cleanup: start: %w", err)
 	}
 	return nil
 }
 
 // Stop ends the loop Start began, stopping the round in progress after its
-// batch in flight, and returns when the loop has ended. It does nothing if not started.
-func (c *Cleaner) Stop() { c.loop.Stop() }
+// batch in flight, and returns when the loop has ended. It does nothing if
+// not started.
+func (c *Cleaner) Stop() { c.life.Stop() }
 
 // round runs one round for the Start loop and logs its outcome; an error
 // does not stop the loop.

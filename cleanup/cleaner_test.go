@@ -307,6 +307,21 @@ func TestCleanerStartRunsRoundsUntilStop(t *testing.T) {
 	require.NotZero(t, d.Count(t, `SELECT count(*) FROM idempotency_keys WHERE status <> 'running'`), "no round after Stop")
 }
 
+// A Cleaner whose Start context ended is no longer running: it starts
+// again without a Stop in between, and only a running one refuses.
+func TestCleanerWhoseContextEndedStartsAgain(t *testing.T) {
+	t.Parallel()
+	d := pgtest.New(t)
+	c := newCleaner(t, d, cleanup.Config{Interval: time.Hour})
+	t.Cleanup(c.Stop)
+	ctx, cancel := context.WithCancel(context.Background())
+	require.NoError(t, c.Start(ctx))
+	cancel()
+	require.Eventually(t, func() bool { return c.Start(context.Background()) == nil }, 10*time.Second, 5*time.Millisecond,
+		"Start still refuses after its context ended")
+	require.ErrorIs(t, c.Start(context.Background()), cleanup.ErrAlreadyStarted)
+}
+
 func TestNewValidatesExpiryWindow(t *testing.T) {
 	t.Parallel()
 	pool := pgtest.Pool(t)

@@ -1,6 +1,10 @@
 package cleanup
 
-import "errors"
+import (
+	"errors"
+
+	"github.com/atomicphase/atomicphase/internal/service"
+)
 
 // Sentinel errors, matched with errors.Is. The package returns them wrapped
 // with its name and the operation ("cleanup: new: invalid config: ..."),
@@ -10,6 +14,8 @@ var (
 	// its documented range (such as a TTL outside 24 hours to 7 days).
 	ErrInvalidConfig = errors.New("invalid config")
 
-	// ErrAlreadyStarted: Start was called on a Cleaner that is running.
-	ErrAlreadyStarted = errors.New("already started")
+	// ErrAlreadyStarted: Start was called on a Cleaner that is running. It
+	// is the same error as outbox.ErrAlreadyStarted and the other
+	// background services'.
+	ErrAlreadyStarted = service.ErrAlreadyStarted
 )

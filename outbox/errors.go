@@ -4,6 +4,8 @@ import (
 	"errors"
 	"fmt"
 	"time"
+
+	"github.com/atomicphase/atomicphase/internal/service"
 )
 
 // Sentinel errors, matched with errors.Is. Errors returned by this package
@@ -32,8 +34,10 @@ var (
 	// configuration.
 	ErrInvalidConfig = errors.New("outbox: invalid configuration")
 
-	// ErrRelayRunning: Start was called on a relay that is already running.
-	ErrRelayRunning = errors.New("outbox: relay already running")
+	// ErrAlreadyStarted: Start was called on a relay that is running. It is
+	// the same error as cleanup.ErrAlreadyStarted and
+	// recovery.ErrAlreadyStarted.
+	ErrAlreadyStarted = service.ErrAlreadyStarted
 
 	// ErrNotSent is the outcome a Publisher reports for a message it did not
 	// send because the publish deadline passed or the relay is stopping. The

@@ -31,33 +31,19 @@ func (r *Relay) RunOnce(ctx context.Context) (int, error) {
 // Start runs the relay in the background until ctx is done or Stop is
 // called: it relays batches back to back while there is work, then waits for
 // a notification, the earliest retry falling due, or PollInterval. It
-// returns ErrRelayRunning if the relay is already running. A publisher that
-// implements Preparer is checked first; Start fails with its error.
+// returns ErrAlreadyStarted if the relay is running; one whose ctx ended may
+// be started again. A publisher that implements Preparer is checked first;
+// Start fails with its error.
 func (r *Relay) Start(ctx context.Context) error {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	if r.done != nil {
-		select {
-		case <-r.done:
-		default:
-			return ErrRelayRunning
+	err := r.life.Start(ctx, func(ctx context.Context) error {
+		if err := r.prepare(ctx, true); err != nil {
+			return fmt.Errorf("prepare publisher: %w", err)
 		}
+		return nil
+	}, r.run)
+	if err != nil {
+		return fmt.Errorf("outbox: start: %w", err)
 	}
-	if err := r.prepare(ctx, true); err != nil {
-		return fmt.Errorf("outbox: start: prepare publisher: %w", err)
-	}
-	runCtx, cancel := context.WithCancel(ctx)
-	done := make(chan struct{})
-	var wg sync.WaitGroup
-	if !r.cfg.DisableNotify {
-		wg.Go(func() { r.listen(runCtx) })
-	}
-	wg.Go(func() { r.loop(runCtx) })
-	go func() {
-		wg.Wait()
-		close(done)
-	}()
-	r.cancel, r.done = cancel, done
 	r.log.Info("outbox: relay started",
 		"batch_size", r.cfg.BatchSize,
 		"poll_interval", r.cfg.PollInterval,
@@ -70,15 +56,16 @@ func (r *Relay) Start(ctx context.Context) error {
 // acknowledgements of those in flight (until its publish deadline), records
 // them and commits, so a graceful stop publishes nothing twice. Stop is safe
 // to call more than once, and on a relay that was never started.
-func (r *Relay) Stop() {
-	r.mu.Lock()
-	cancel, done := r.cancel, r.done
-	r.mu.Unlock()
-	if cancel == nil {
-		return
+func (r *Relay) Stop() { r.life.Stop() }
+
+// run is the background service: the loop, and the listener that wakes it.
+func (r *Relay) run(ctx context.Context) {
+	var wg sync.WaitGroup
+	if !r.cfg.DisableNotify {
+		wg.Go(func() { r.listen(ctx) })
 	}
-	cancel()
-	<-done
+	wg.Go(func() { r.loop(ctx) })
+	wg.Wait()
 }
 
 // loop is the background service. A full batch is followed at once by the

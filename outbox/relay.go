@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/atomicphase/atomicphase/internal/db"
+	"github.com/atomicphase/atomicphase/internal/service"
 )
 
 // Config configures a Relay. The zero value is usable; every field states
@@ -99,9 +100,7 @@ type Relay struct {
 	wake      chan struct{} // a pending wake-up for the loop; capacity 1
 	listening atomic.Bool   // the listener holds a LISTENing connection
 
-	mu     sync.Mutex
-	cancel context.CancelFunc
-	done   chan struct{}
+	life service.Lifecycle
 
 	limits   RelayLimits
 	prepMu   sync.Mutex  // serializes PrepareRelay calls

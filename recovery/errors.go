@@ -1,6 +1,10 @@
 package recovery
 
-import "errors"
+import (
+	"errors"
+
+	"github.com/atomicphase/atomicphase/internal/service"
+)
 
 // Sentinel errors, matched with errors.Is. Their text carries no package
 // prefix: the functions that return them add "recovery: op:" once.
@@ -9,6 +13,8 @@ var (
 	// outside its documented range.
 	ErrInvalidConfig = errors.New("invalid config")
 
-	// ErrAlreadyStarted: Start was called on a Resumer that is running.
-	ErrAlreadyStarted = errors.New("already started")
+	// ErrAlreadyStarted: Start was called on a Resumer that is running. It
+	// is the same error as outbox.ErrAlreadyStarted and the other
+	// background services'.
+	ErrAlreadyStarted = service.ErrAlreadyStarted
 )

@@ -112,7 +112,7 @@ type Resumer struct {
 
 	bodies map[string][]byte
 
-	loop service.Loop
+	life service.Lifecycle
 }
 
 // New returns a Resumer that resumes stalled keys with runner, the service's
@@ -351,10 +351,10 @@ func (r *Resumer) resume(ctx context.Context, row db.ClaimStalledKeysRow) outcom
 // Start runs a round at once and then every Config.Interval, in a goroutine,
 // until ctx ends or Stop is called. Each round's outcome is logged; a
 // round's error does not stop the loop. Start on a running Resumer returns
-// ErrAlreadyStarted.
+// ErrAlreadyStarted; one whose ctx ended may be started again.
 func (r *Resumer) Start(ctx context.Context) error {
-	if !r.loop.Start(ctx, r.cfg.Interval, r.round) {
-		return fmt.Errorf("recovery: start: %w", ErrAlreadyStarted)
+	if err := r.life.Start(ctx, nil, service.Every(r.cfg.Interval, r.round)); err != nil {
+		return fmt.Errorf("recovery: start: %w", err)
 	}
 	return nil
 }
@@ -362,7 +362,7 @@ func (r *Resumer) Start(ctx context.Context) error {
 // Stop ends the loop Start began, abandoning the round in progress (a resume
 // in flight is cancelled and its key released at its last recovery point),
 // and returns when the loop has ended. It does nothing if not started.
-func (r *Resumer) Stop() { r.loop.Stop() }
+func (r *Resumer) Stop() { r.life.Stop() }
 
 // round runs one round for the Start loop and logs its outcome; an error
 // does not stop the loop.

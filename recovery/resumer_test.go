@@ -435,6 +435,21 @@ func TestResumerStartRunsRoundsUntilStop(t *testing.T) {
 	r.Stop()
 }
 
+// A Resumer whose Start context ended is no longer running: it starts
+// again without a Stop in between, and only a running one refuses.
+func TestResumerWhoseContextEndedStartsAgain(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t)
+	r := newResumer(t, f, f.registry, recovery.Config{Interval: time.Hour})
+	t.Cleanup(r.Stop)
+	ctx, cancel := context.WithCancel(context.Background())
+	require.NoError(t, r.Start(ctx))
+	cancel()
+	require.Eventually(t, func() bool { return r.Start(context.Background()) == nil }, 10*time.Second, 5*time.Millisecond,
+		"Start still refuses after its context ended")
+	require.ErrorIs(t, r.Start(context.Background()), recovery.ErrAlreadyStarted)
+}
+
 func TestResumerRunOnceReportsCancellation(t *testing.T) {
 	t.Parallel()
 	f := newFixture(t)
