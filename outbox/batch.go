@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"math/rand/v2"
 	"strings"
 	"time"
 	"unicode/utf8"
@@ -152,7 +151,7 @@ func (r *Relay) record(ctx context.Context, q *db.Queries, envs []Envelope, outc
 			dead := errors.Is(o.err, ErrPermanent) || envs[i].Attempt >= r.cfg.MaxAttempts
 			var delay time.Duration
 			if !dead {
-				delay = r.backoff(envs[i].Attempt)
+				delay = r.retry.Delay(envs[i].Attempt - 1)
 				if asked, ok := retryDelay(o.err); ok {
 					delay = min(max(delay, asked), r.cfg.RetryMaxDelay)
 				}
@@ -332,21 +331,6 @@ func isClosed(ch <-chan struct{}) bool {
 	default:
 		return false
 	}
-}
-
-// backoff returns the wait before the attempt after the given failed one:
-// RetryBaseDelay doubled per earlier failure, capped at RetryMaxDelay, with
-// equal jitter (uniform in the upper half), so that waits never shrink from
-// one attempt to the next.
-func (r *Relay) backoff(attempt int) time.Duration {
-	d := r.cfg.RetryMaxDelay
-	if shift := attempt - 1; shift < 62 {
-		if b := r.cfg.RetryBaseDelay << shift; b > 0 && b>>shift == r.cfg.RetryBaseDelay && b < d {
-			d = b
-		}
-	}
-	half := d / 2
-	return half + rand.N(d-half+1)
 }
 
 // errorText makes err storable as last_error: valid UTF-8, no NUL, bounded.

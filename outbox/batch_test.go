@@ -14,6 +14,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/stretchr/testify/require"
 
+	"github.com/atomicphase/atomicphase/internal/backoff"
 	"github.com/atomicphase/atomicphase/internal/pgtest"
 )
 
@@ -411,20 +412,29 @@ func TestRelayPublisherPanicIsAFailure(t *testing.T) {
 
 // backoff doubles from the base, is capped, never shrinks from one attempt
 // to the next, and survives huge attempt numbers.
-func TestBackoff(t *testing.T) {
+// A failed message waits RetryBaseDelay doubled per earlier failure, capped
+// at RetryMaxDelay, with equal jitter; failed batches and listener
+// reconnects wait 100 ms doubling to 30 s, without jitter.
+func TestRelayBackoffPolicies(t *testing.T) {
 	t.Parallel()
-	r := &Relay{cfg: Config{RetryBaseDelay: time.Second, RetryMaxDelay: time.Minute}}
-	prevMax := time.Duration(0)
+	r, err := New(pgtest.Pool(t), PublisherFunc((&recorder{}).publish),
+		&Config{RetryBaseDelay: time.Second, RetryMaxDelay: time.Minute})
+	require.NoError(t, err)
+	require.Equal(t, backoff.Policy{Base: time.Second, Max: time.Minute, Jitter: backoff.Equal}, r.retry)
 	for attempt := 1; attempt <= 100; attempt++ {
 		full := min(time.Second<<min(attempt-1, 20), time.Minute)
 		for range 50 {
-			d := r.backoff(attempt)
+			d := r.retry.Delay(attempt - 1)
 			require.GreaterOrEqual(t, d, full/2)
 			require.LessOrEqual(t, d, full)
-			require.GreaterOrEqual(t, d, prevMax/2)
 		}
-		prevMax = full
 	}
+	require.Equal(t, backoff.Policy{Base: 100 * time.Millisecond, Max: 30 * time.Second, Jitter: backoff.None}, loopErrorBackoff)
+	require.Equal(t, backoff.Policy{Base: 100 * time.Millisecond, Max: 30 * time.Second, Jitter: backoff.None}, listenBackoff)
+}
+
+func TestErrorTextIsStorable(t *testing.T) {
+	t.Parallel()
 	require.True(t, strings.HasPrefix(errorText(errors.New(strings.Repeat("é", 2000))), "é"))
 	require.LessOrEqual(t, len(errorText(errors.New(strings.Repeat("é", 2000)))), maxErrorBytes)
 	require.Equal(t, "ab\uFFFD", errorText(errors.New("a\x00b\xff")))

@@ -78,7 +78,7 @@ func (r *Relay) loop(ctx context.Context) {
 	timer := time.NewTimer(time.Hour)
 	defer timer.Stop()
 	defer r.log.Info("outbox: relay stopped")
-	errWait := loopErrorMin
+	failures := 0 // consecutive failed batches
 	for {
 		started := time.Now()
 		b, err := r.runBatch(ctx)
@@ -89,17 +89,18 @@ func (r *Relay) loop(ctx context.Context) {
 		switch {
 		case err != nil:
 			r.logBatchError(err)
-			wait, errWait = errWait, min(2*errWait, loopErrorMax)
+			wait = loopErrorBackoff.Delay(failures)
+			failures++
 		case b.claimed >= r.cfg.BatchSize:
-			errWait = loopErrorMin
+			failures = 0
 			continue // a backlog: keep going
 		case b.claimed > 0:
 			// Look again shortly: the batch may have released held-back
 			// messages, and a short retry may already be due.
-			errWait = loopErrorMin
+			failures = 0
 			wait = wakeCooldown
 		default:
-			errWait = loopErrorMin
+			failures = 0
 			wait = r.cfg.PollInterval
 			if b.nextDue >= 0 {
 				// A millisecond late, so the database clock has passed it.

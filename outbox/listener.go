@@ -19,7 +19,7 @@ func (r *Relay) signal() {
 // relay's schema into wake-ups, reconnecting with backoff when it fails.
 // While it is down, the loop's polling delivers.
 func (r *Relay) listen(ctx context.Context) {
-	delay := listenRetryMin
+	failures := 0 // consecutive failures without listening in between
 	timer := time.NewTimer(time.Hour)
 	defer timer.Stop()
 	for {
@@ -29,8 +29,10 @@ func (r *Relay) listen(ctx context.Context) {
 			return
 		}
 		if connected {
-			delay = listenRetryMin
+			failures = 0
 		}
+		delay := listenBackoff.Delay(failures)
+		failures++
 		r.log.Warn("outbox: relay listener failed; polling until it reconnects",
 			"error", err, "retry_in", delay)
 		timer.Reset(delay)
@@ -39,7 +41,6 @@ func (r *Relay) listen(ctx context.Context) {
 			return
 		case <-timer.C:
 		}
-		delay = min(2*delay, listenRetryMax)
 	}
 }
 

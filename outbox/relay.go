@@ -11,6 +11,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/atomicphase/atomicphase/internal/backoff"
 	"github.com/atomicphase/atomicphase/internal/db"
 	"github.com/atomicphase/atomicphase/internal/service"
 )
@@ -47,10 +48,11 @@ type Config struct {
 	// published again. Default: 10.
 	MaxAttempts int
 
-	// RetryBaseDelay is the wait before a failed message's second attempt.
-	// Each further failure doubles it, up to RetryMaxDelay; the actual wait
-	// is drawn uniformly from the upper half of that (equal jitter), so
-	// successive waits never shrink. Default: 1 second.
+	// RetryBaseDelay is the backoff before a failed message's second
+	// attempt. Each further failure doubles it, up to RetryMaxDelay; the
+	// actual wait is drawn uniformly from the upper half of the backoff
+	// (equal jitter), so until the backoff reaches RetryMaxDelay no wait is
+	// shorter than the one before it. Default: 1 second.
 	RetryBaseDelay time.Duration
 
 	// RetryMaxDelay caps the retry wait, a delay a publisher asks for with
@@ -102,6 +104,7 @@ type Relay struct {
 
 	life service.Lifecycle
 
+	retry    backoff.Policy // the wait before a failed message's next attempt
 	limits   RelayLimits
 	prepMu   sync.Mutex  // serializes PrepareRelay calls
 	prepared atomic.Bool // PrepareRelay succeeded
@@ -111,15 +114,17 @@ type Relay struct {
 	testHookIdle func()
 }
 
+var (
+	// listenBackoff is the wait before the listener reconnects after
+	// losing its connection: 100 ms, doubling with each consecutive failure
+	// to connect, up to 30 s.
+	listenBackoff = backoff.Policy{Base: 100 * time.Millisecond, Max: 30 * time.Second}
+	// loopErrorBackoff is the wait after a failed batch: 100 ms, doubling
+	// with each consecutive failure, up to 30 s.
+	loopErrorBackoff = backoff.Policy{Base: 100 * time.Millisecond, Max: 30 * time.Second}
+)
+
 const (
-	// listenRetryMin and listenRetryMax bound the wait before the listener
-	// reconnects after losing its connection.
-	listenRetryMin = 100 * time.Millisecond
-	listenRetryMax = 30 * time.Second
-	// loopErrorMin and loopErrorMax bound the wait after failed batches,
-	// doubling with each consecutive failure.
-	loopErrorMin = 100 * time.Millisecond
-	loopErrorMax = 30 * time.Second
 	// wakeCooldown is the least time between the starts of two batches when
 	// the second is woken by a notification.
 	wakeCooldown = 20 * time.Millisecond
@@ -165,11 +170,12 @@ func New(pool *pgxpool.Pool, pub Publisher, cfg *Config) (*Relay, error) {
 			ErrInvalidConfig, c.RetryMaxDelay, c.RetryBaseDelay)
 	}
 	r := &Relay{
-		pool: pool,
-		pub:  pub,
-		cfg:  c,
-		log:  c.Logger,
-		wake: make(chan struct{}, 1),
+		pool:  pool,
+		pub:   pub,
+		cfg:   c,
+		log:   c.Logger,
+		wake:  make(chan struct{}, 1),
+		retry: backoff.Policy{Base: c.RetryBaseDelay, Max: c.RetryMaxDelay, Jitter: backoff.Equal},
 	}
 	r.limits = RelayLimits{
 		PublishDeadline:   r.publishDeadline(),

@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"math/rand/v2"
 	"runtime/debug"
 	"sync/atomic"
 	"time"
@@ -15,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/atomicphase/atomicphase/internal/backoff"
 	"github.com/atomicphase/atomicphase/internal/db"
 	"github.com/atomicphase/atomicphase/internal/failure"
 	"github.com/atomicphase/atomicphase/internal/pgerr"
@@ -140,7 +140,8 @@ type Runner struct {
 
 	executed, replayed, inUse, reused, conflicts, retries, leaseLost, released, notStored, tooOld atomic.Uint64
 
-	maxAgeBody []byte // the problem body stored for a key failed past MaxAge
+	maxAgeBody []byte         // the problem body stored for a key failed past MaxAge
+	retry      backoff.Policy // the wait before a phase's retry
 }
 
 // New returns a Runner using pool. cfg may be nil. Invalid values give an
@@ -177,7 +178,10 @@ func New(pool *pgxpool.Pool, cfg *Config) (*Runner, error) {
 	if c.Store == nil {
 		c.Store = DefaultStore
 	}
-	return &Runner{pool: pool, q: db.New(pool), cfg: c, log: c.Logger, maxAgeBody: failure.MaxAgeBody(c.MaxAge)}, nil
+	return &Runner{
+		pool: pool, q: db.New(pool), cfg: c, log: c.Logger, maxAgeBody: failure.MaxAgeBody(c.MaxAge),
+		retry: backoff.Policy{Base: c.RetryBaseDelay, Max: c.RetryMaxDelay, Jitter: backoff.Equal},
+	}, nil
 }
 
 // Config returns the runner's configuration, with every default filled in.
@@ -354,12 +358,9 @@ func (r *Runner) rollback(ctx context.Context, tx pgx.Tx) {
 	_ = tx.Rollback(rctx)
 }
 
+// backoff waits before retry try of a phase (0 for the first), or until ctx ends.
 func (r *Runner) backoff(ctx context.Context, try int) error {
-	d := r.cfg.RetryBaseDelay << min(try, 20)
-	if d <= 0 || d > r.cfg.RetryMaxDelay {
-		d = r.cfg.RetryMaxDelay
-	}
-	return sleep(ctx, d/2+rand.N(d/2+1))
+	return sleep(ctx, r.retry.Delay(try))
 }
 
 func sleep(ctx context.Context, d time.Duration) error {

@@ -14,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
+	"github.com/atomicphase/atomicphase/internal/backoff"
 	"github.com/atomicphase/atomicphase/txn"
 )
 
@@ -35,6 +36,18 @@ func TestConfigAndRegistryValidation(t *testing.T) {
 	require.NoError(t, reg.Register(txn.NewWorkflow("x", noop)))
 	require.ErrorIs(t, reg.Register(txn.NewWorkflow("x", noop)), txn.ErrInvalidUse, "duplicate name")
 	require.Equal(t, []string{"x"}, reg.Names())
+}
+
+// A phase's retries after a serialization failure or a deadlock back off
+// from RetryBaseDelay, doubling up to RetryMaxDelay, with equal jitter.
+func TestPhaseRetriesBackOffWithEqualJitter(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	r, err := txn.New(e.Pool, &txn.Config{RetryBaseDelay: 3 * time.Millisecond, RetryMaxDelay: 40 * time.Millisecond})
+	require.NoError(t, err)
+	require.Equal(t, backoff.Policy{Base: 3 * time.Millisecond, Max: 40 * time.Millisecond, Jitter: backoff.Equal}, txn.RetryPolicy(r))
+	require.Equal(t, backoff.Policy{Base: 2 * time.Millisecond, Max: 250 * time.Millisecond, Jitter: backoff.Equal},
+		txn.RetryPolicy(e.runner), "the defaults")
 }
 
 func TestMaxAgeMustStayUnderTheProvidersWindow(t *testing.T) {

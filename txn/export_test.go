@@ -1,0 +1,6 @@
+package txn
+
+import "github.com/atomicphase/atomicphase/internal/backoff"
+
+// RetryPolicy exposes the backoff of a runner's phase retries to tests.
+func RetryPolicy(r *Runner) backoff.Policy { return r.retry }
