@@ -16,6 +16,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/atomicphase/atomicphase/internal/txnbridge"
 	"github.com/atomicphase/atomicphase/txn"
 )
 
@@ -94,7 +95,7 @@ func New(runner *txn.Runner, cfg *Config) (*Middleware, error) {
 		c.StoreHeaders = []string{"Content-Type", "Location"}
 	}
 	c.Logger = cmp.Or(c.Logger, slog.Default())
-	m := &Middleware{runner: runner, cfg: c, store: runner.Config().Store, stored: map[string]bool{}}
+	m := &Middleware{runner: runner, cfg: c, store: txnbridge.Of(runner).Store, stored: map[string]bool{}}
 	for _, h := range c.StoreHeaders {
 		m.stored[http.CanonicalHeaderKey(h)] = true
 	}

@@ -12,8 +12,8 @@ import (
 
 	"github.com/atomicphase/atomicphase/internal/db"
 	"github.com/atomicphase/atomicphase/internal/failure"
-	txnoutcome "github.com/atomicphase/atomicphase/internal/outcome"
 	"github.com/atomicphase/atomicphase/internal/service"
+	"github.com/atomicphase/atomicphase/internal/txnbridge"
 	"github.com/atomicphase/atomicphase/txn"
 )
 
@@ -103,12 +103,12 @@ func (r Report) Failed() int {
 // Resumer resumes or fails stalled keys. It is safe for concurrent use, and
 // several Resumers (in one process or many) may work on one database.
 type Resumer struct {
-	q        *db.Queries
-	runner   *txn.Runner
-	registry *txn.Registry
-	maxAge   time.Duration
-	cfg      Config
-	log      *slog.Logger
+	q          *db.Queries
+	runner     *txn.Runner
+	registered func() []string // the runner's registered workflows
+	maxAge     time.Duration
+	cfg        Config
+	log        *slog.Logger
 
 	bodies map[string][]byte
 
@@ -127,7 +127,7 @@ func New(runner *txn.Runner, cfg *Config) (*Resumer, error) {
 	if cfg == nil {
 		cfg = &Config{}
 	}
-	rc := runner.Config()
+	rc := txnbridge.Of(runner)
 	c := *cfg
 	if c.ResumeDelay < 0 || c.MaxAttempts < 0 || c.UnknownWorkflowDelay < 0 ||
 		c.BatchSize < 0 || c.Concurrency < 0 || c.Interval < 0 {
@@ -147,7 +147,7 @@ func New(runner *txn.Runner, cfg *Config) (*Resumer, error) {
 		return nil, fmt.Errorf("recovery: new: %w: BatchSize %d is larger than 10000", ErrInvalidConfig, c.BatchSize)
 	}
 	r := &Resumer{
-		q: db.New(runner.Pool()), runner: runner, registry: rc.Workflows, maxAge: rc.MaxAge, cfg: c, log: c.Logger,
+		q: db.New(rc.Pool), runner: runner, registered: rc.Registered, maxAge: rc.MaxAge, cfg: c, log: c.Logger,
 		bodies: map[string][]byte{
 			ReasonUnknownWorkflow: failure.Body(ReasonUnknownWorkflow,
 				"no handler that can complete it is available, so it was stopped after its last completed step"),
@@ -166,7 +166,7 @@ func New(runner *txn.Runner, cfg *Config) (*Resumer, error) {
 // ending (then it wraps ctx's error, and the report holds what was done).
 func (r *Resumer) RunOnce(ctx context.Context) (Report, error) {
 	var rep Report
-	registered := append([]string{}, r.registry.Names()...) // never NULL in SQL
+	registered := append([]string{}, r.registered()...) // never NULL in SQL
 	if err := r.failStalled(ctx, registered, &rep); err != nil {
 		return rep, err
 	}
@@ -208,7 +208,7 @@ func (r *Resumer) RunOnce(ctx context.Context) (Report, error) {
 // counts the keys it would resume, the Failed fields the keys it would fail,
 // and Left the stalled keys it would leave waiting.
 func (r *Resumer) DryRun(ctx context.Context) (Report, error) {
-	counts, err := r.count(ctx, append([]string{}, r.registry.Names()...))
+	counts, err := r.count(ctx, append([]string{}, r.registered()...))
 	if err != nil {
 		return Report{}, err
 	}
@@ -323,7 +323,7 @@ const (
 )
 
 func (r *Resumer) resume(ctx context.Context, row db.ClaimStalledKeysRow) outcome {
-	rctx, settled := txnoutcome.With(ctx)
+	rctx, settled := txnbridge.WithOutcome(ctx)
 	resp, err := r.runner.Resume(rctx, row.Scope, row.Key)
 	switch {
 	case err == nil && settled.FailedMaxAge:

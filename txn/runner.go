@@ -18,6 +18,7 @@ import (
 	"github.com/atomicphase/atomicphase/internal/db"
 	"github.com/atomicphase/atomicphase/internal/failure"
 	"github.com/atomicphase/atomicphase/internal/pgerr"
+	"github.com/atomicphase/atomicphase/internal/txnbridge"
 )
 
 // Config configures a Runner. The zero value is usable; every field states its default.
@@ -184,12 +185,15 @@ func New(pool *pgxpool.Pool, cfg *Config) (*Runner, error) {
 	}, nil
 }
 
-// Config returns the runner's configuration, with every default filled in.
-// The recovery Resumer takes its registry, logger and MaxAge from it.
-func (r *Runner) Config() Config { return r.cfg }
-
-// Pool returns the pool the runner was created with.
-func (r *Runner) Pool() *pgxpool.Pool { return r.pool }
+// The module's packages built on txn (recovery, httpidem) reach the
+// runner's pool and settings through txnbridge, not through the public API.
+func init() {
+	txnbridge.Register(func(r *Runner) txnbridge.Runner {
+		return txnbridge.Runner{
+			Pool: r.pool, Logger: r.log, MaxAge: r.cfg.MaxAge, Registered: r.cfg.Workflows.Names, Store: r.cfg.Store,
+		}
+	})
+}
 
 // Stats returns the runner's counters.
 func (r *Runner) Stats() Stats {

@@ -15,6 +15,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/atomicphase/atomicphase/internal/backoff"
+	"github.com/atomicphase/atomicphase/internal/txnbridge"
 	"github.com/atomicphase/atomicphase/txn"
 )
 
@@ -59,11 +60,39 @@ func TestMaxAgeMustStayUnderTheProvidersWindow(t *testing.T) {
 	}
 	r, err := txn.New(e.Pool, &txn.Config{MaxAge: txn.MaxAgeLimit - time.Second})
 	require.NoError(t, err)
-	require.Equal(t, txn.MaxAgeLimit-time.Second, r.Config().MaxAge)
+	require.Equal(t, txn.MaxAgeLimit-time.Second, txnbridge.Of(r).MaxAge)
 	r, err = txn.New(e.Pool, nil)
 	require.NoError(t, err)
-	require.Equal(t, txn.MaxAgeDefault, r.Config().MaxAge)
+	require.Equal(t, txn.MaxAgeDefault, txnbridge.Of(r).MaxAge)
 	require.Equal(t, 12*time.Hour, txn.MaxAgeDefault)
+}
+
+// The module's packages built on txn (recovery, httpidem) see the runner's
+// own pool and settings, defaults filled in, and workflows registered after
+// New.
+func TestBridgeDescribesTheRunnerToTheModulesPackages(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	reg := txn.NewRegistry()
+	logger := slog.New(slog.DiscardHandler)
+	r, err := txn.New(e.Pool, &txn.Config{Workflows: reg, Logger: logger, MaxAge: time.Hour,
+		Store: func(status int) bool { return status == 201 }})
+	require.NoError(t, err)
+	b := txnbridge.Of(r)
+	require.Same(t, e.Pool, b.Pool)
+	require.Same(t, logger, b.Logger)
+	require.Equal(t, time.Hour, b.MaxAge)
+	require.True(t, b.Store(201))
+	require.False(t, b.Store(200))
+	require.Empty(t, b.Registered())
+	noop := func(context.Context, *txn.Attempt) (txn.Response, error) { return txn.JSON(201, 1) }
+	require.NoError(t, reg.Register(txn.NewWorkflow("b", noop), txn.NewWorkflow("a", noop)))
+	require.Equal(t, []string{"a", "b"}, b.Registered())
+
+	d := txnbridge.Of(e.runner)
+	require.Equal(t, txn.MaxAgeDefault, d.MaxAge)
+	require.True(t, d.Store(500))
+	require.False(t, d.Store(422), "txn.DefaultStore")
 }
 
 // capture is a slog.Handler that keeps every record, for assertions.

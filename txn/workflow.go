@@ -13,8 +13,8 @@ import (
 
 	"github.com/atomicphase/atomicphase/internal/db"
 	"github.com/atomicphase/atomicphase/internal/failure"
-	"github.com/atomicphase/atomicphase/internal/outcome"
 	"github.com/atomicphase/atomicphase/internal/pgerr"
+	"github.com/atomicphase/atomicphase/internal/txnbridge"
 )
 
 // RunWorkflow runs wf under key. A new key is inserted holding a lease; a
@@ -171,7 +171,7 @@ func (r *Runner) takeOver(ctx context.Context, req request, workflow string, id 
 // noteTooOld counts and logs a key failed because it is older than MaxAge.
 func (r *Runner) noteTooOld(ctx context.Context, req request, workflow string) {
 	r.tooOld.Add(1)
-	if o := outcome.From(ctx); o != nil {
+	if o := txnbridge.OutcomeFrom(ctx); o != nil {
 		o.FailedMaxAge = true
 	}
 	r.log.WarnContext(ctx, "key older than MaxAge failed instead of resumed; retries replay its failure",
