@@ -20,46 +20,6 @@ import (
 	"github.com/atomicphase/atomicphase/txn"
 )
 
-// Config configures the middleware. Scope is required; every other field
-// has a default.
-type Config struct {
-	// Scope returns the authenticated principal a request's key belongs to
-	// (account, user, tenant): keys are unique only within a scope, so one
-	// client never sees another's stored response. An error answers 401, and
-	// so does an empty scope unless AllowAnonymous is set. A scope must be at
-	// most 255 bytes of UTF-8 without NUL (else 400). Required.
-	Scope func(r *http.Request) (string, error)
-
-	// AllowAnonymous lets requests whose Scope is "" run, all in one shared
-	// keyspace: any caller without a principal can then replay any other's
-	// stored response by sending the same key. Set it only for endpoints
-	// whose responses reveal nothing (or whose keys are unguessable and
-	// private to each client). Default: false, an empty scope answers 401.
-	AllowAnonymous bool
-
-	// Required reports whether a request must carry an Idempotency-Key.
-	// GET, HEAD and OPTIONS never need one and are passed through whatever
-	// this says. Default: POST and PATCH.
-	Required func(r *http.Request) bool
-
-	// MaxBodyBytes is the largest request body accepted; a larger one is
-	// answered 413 before anything is stored. Default: 1 MiB.
-	MaxBodyBytes int64
-
-	// StoreHeaders are the response headers stored with a response and
-	// replayed with it; a keyed response carries only these, so the first
-	// answer and every replay are the same. A rejection that is not stored
-	// (see txn.Config.Store) is passed through with all its headers.
-	// Default: Content-Type and Location.
-	StoreHeaders []string
-
-	// Logger receives what the runner does not log: a Scope that failed,
-	// and requests the server could not run at all (a workflow not
-	// registered, invalid use). Transient failures are logged once, by the
-	// runner. Default: slog.Default().
-	Logger *slog.Logger
-}
-
 // DefaultStore is txn.DefaultStore, the policy that decides which responses
 // are stored. The middleware follows the runner's txn.Config.Store.
 //
