@@ -1,11 +1,9 @@
 package cleanup
 
 import (
-	"cmp"
 	"context"
 	"fmt"
 	"log/slog"
-	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -53,21 +51,9 @@ func New(pool *pgxpool.Pool, cfg *Config) (*Cleaner, error) {
 	if cfg == nil {
 		cfg = &Config{}
 	}
-	c := *cfg
-	if c.TTL < 0 || c.OutboxRetention < 0 || c.BatchSize < 0 || c.Interval < 0 {
-		return nil, fmt.Errorf("cleanup: new: %w: negative durations and counts are not allowed", ErrInvalidConfig)
-	}
-	c.Logger = cmp.Or(c.Logger, slog.Default())
-	c.TTL = cmp.Or(c.TTL, MinTTL)
-	c.OutboxRetention = cmp.Or(c.OutboxRetention, 7*24*time.Hour)
-	c.BatchSize = cmp.Or(c.BatchSize, 1000)
-	c.Interval = cmp.Or(c.Interval, 5*time.Minute)
-	switch {
-	case c.TTL < MinTTL || c.TTL > MaxTTL:
-		return nil, fmt.Errorf("cleanup: new: %w: TTL %v is outside the expiry window of %v to %v",
-			ErrInvalidConfig, c.TTL, MinTTL, MaxTTL)
-	case c.BatchSize > 100000:
-		return nil, fmt.Errorf("cleanup: new: %w: BatchSize %d is larger than 100000", ErrInvalidConfig, c.BatchSize)
+	c := cfg.withDefaults()
+	if err := c.validate(); err != nil {
+		return nil, fmt.Errorf("cleanup: new: %w", err)
 	}
 	return &Cleaner{pool: pool, cfg: c, log: c.Logger}, nil
 }

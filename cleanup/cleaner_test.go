@@ -322,31 +322,6 @@ func TestCleanerWhoseContextEndedStartsAgain(t *testing.T) {
 	require.ErrorIs(t, c.Start(context.Background()), cleanup.ErrAlreadyStarted)
 }
 
-func TestNewValidatesExpiryWindow(t *testing.T) {
-	t.Parallel()
-	pool := pgtest.Pool(t)
-	_, err := cleanup.New(nil, nil)
-	require.ErrorIs(t, err, cleanup.ErrInvalidConfig)
-	requireOnePrefix(t, err)
-	for name, cfg := range map[string]cleanup.Config{
-		"ttl under a day":    {TTL: 23 * time.Hour},
-		"ttl over a week":    {TTL: 7*24*time.Hour + time.Second},
-		"negative ttl":       {TTL: -time.Hour},
-		"negative retention": {OutboxRetention: -time.Hour},
-		"negative batch":     {BatchSize: -1},
-		"huge batch":         {BatchSize: 100_001},
-		"negative interval":  {Interval: -time.Second},
-	} {
-		_, err := cleanup.New(pool, &cfg)
-		require.ErrorIs(t, err, cleanup.ErrInvalidConfig, name)
-		requireOnePrefix(t, err)
-	}
-	for _, ttl := range []time.Duration{0, cleanup.MinTTL, 72 * time.Hour, cleanup.MaxTTL} {
-		_, err := cleanup.New(pool, &cleanup.Config{TTL: ttl})
-		require.NoError(t, err)
-	}
-}
-
 // requireOnePrefix asserts the error names the package once, as in
 // "cleanup: new: invalid config: ...", never "cleanup: new: cleanup: ...".
 func requireOnePrefix(t *testing.T, err error) {

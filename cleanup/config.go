@@ -1,6 +1,8 @@
 package cleanup
 
 import (
+	"cmp"
+	"fmt"
 	"log/slog"
 	"time"
 )
@@ -14,6 +16,17 @@ const (
 	MaxTTL = 7 * 24 * time.Hour
 )
 
+// The defaults of Config's fields, used for the fields left zero.
+const (
+	TTLDefault             = MinTTL
+	OutboxRetentionDefault = 7 * 24 * time.Hour
+	BatchSizeDefault       = 1000
+	IntervalDefault        = 5 * time.Minute
+)
+
+// BatchSizeMax bounds Config.BatchSize.
+const BatchSizeMax = 100000
+
 // Config configures a Cleaner. The zero value is usable; every field states
 // its default.
 type Config struct {
@@ -24,18 +37,44 @@ type Config struct {
 
 	// TTL is how long after it finished a key is kept (and replayed to
 	// retries) before it may be deleted. It must be from MinTTL (24 hours)
-	// to MaxTTL (7 days): the published expiry policy. Default: 24 hours.
+	// to MaxTTL (7 days): the published expiry policy.
+	// Default: TTLDefault (24 hours).
 	TTL time.Duration
 
 	// OutboxRetention is how long after it was published or dead-lettered
-	// an outbox message is kept before it may be deleted. Default: 7 days.
+	// an outbox message is kept before it may be deleted.
+	// Default: OutboxRetentionDefault (7 days).
 	OutboxRetention time.Duration
 
 	// BatchSize is the most rows one delete transaction removes, at most
-	// 100,000. Default: 1000.
+	// BatchSizeMax (100,000). Default: BatchSizeDefault (1000).
 	BatchSize int
 
 	// Interval is the time between the starts of two rounds run by Start.
-	// Default: 5 minutes.
+	// Default: IntervalDefault (5 minutes).
 	Interval time.Duration
+}
+
+// withDefaults returns c with each zero field set to its default.
+func (c Config) withDefaults() Config {
+	c.Logger = cmp.Or(c.Logger, slog.Default())
+	c.TTL = cmp.Or(c.TTL, TTLDefault)
+	c.OutboxRetention = cmp.Or(c.OutboxRetention, OutboxRetentionDefault)
+	c.BatchSize = cmp.Or(c.BatchSize, BatchSizeDefault)
+	c.Interval = cmp.Or(c.Interval, IntervalDefault)
+	return c
+}
+
+// validate reports a field outside its documented range, wrapping
+// ErrInvalidConfig. It checks c after withDefaults.
+func (c Config) validate() error {
+	switch {
+	case c.TTL < 0 || c.OutboxRetention < 0 || c.BatchSize < 0 || c.Interval < 0:
+		return fmt.Errorf("%w: negative durations and counts are not allowed", ErrInvalidConfig)
+	case c.TTL < MinTTL || c.TTL > MaxTTL:
+		return fmt.Errorf("%w: TTL %v is outside the expiry window of %v to %v", ErrInvalidConfig, c.TTL, MinTTL, MaxTTL)
+	case c.BatchSize > BatchSizeMax:
+		return fmt.Errorf("%w: BatchSize %d is larger than %d", ErrInvalidConfig, c.BatchSize, BatchSizeMax)
+	}
+	return nil
 }

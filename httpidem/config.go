@@ -1,9 +1,14 @@
 package httpidem
 
 import (
+	"cmp"
+	"fmt"
 	"log/slog"
 	"net/http"
 )
+
+// MaxBodyBytesDefault is Config.MaxBodyBytes's default.
+const MaxBodyBytesDefault = 1 << 20
 
 // Config configures the middleware. Scope is required; every other field
 // has a default.
@@ -28,7 +33,8 @@ type Config struct {
 	Required func(r *http.Request) bool
 
 	// MaxBodyBytes is the largest request body accepted; a larger one is
-	// answered 413 before anything is stored. Default: 1 MiB.
+	// answered 413 before anything is stored.
+	// Default: MaxBodyBytesDefault (1 MiB).
 	MaxBodyBytes int64
 
 	// StoreHeaders are the response headers stored with a response and
@@ -43,4 +49,29 @@ type Config struct {
 	// registered, invalid use). Transient failures are logged once, by the
 	// runner. Default: slog.Default().
 	Logger *slog.Logger
+}
+
+// withDefaults returns c with each unset field set to its default.
+func (c Config) withDefaults() Config {
+	if c.Required == nil {
+		c.Required = func(r *http.Request) bool { return r.Method == http.MethodPost || r.Method == http.MethodPatch }
+	}
+	c.MaxBodyBytes = cmp.Or(c.MaxBodyBytes, MaxBodyBytesDefault)
+	if c.StoreHeaders == nil {
+		c.StoreHeaders = []string{"Content-Type", "Location"}
+	}
+	c.Logger = cmp.Or(c.Logger, slog.Default())
+	return c
+}
+
+// validate reports a missing or out-of-range field, wrapping
+// ErrInvalidConfig. It checks c after withDefaults.
+func (c Config) validate() error {
+	switch {
+	case c.Scope == nil:
+		return fmt.Errorf("%w: %w", ErrInvalidConfig, ErrNoScope)
+	case c.MaxBodyBytes < 0:
+		return fmt.Errorf("%w: MaxBodyBytes is negative", ErrInvalidConfig)
+	}
+	return nil
 }

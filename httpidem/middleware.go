@@ -2,13 +2,11 @@ package httpidem
 
 import (
 	"bytes"
-	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
-	"log/slog"
 	"net/http"
 	"strconv"
 	"strings"
@@ -40,21 +38,13 @@ func New(runner *txn.Runner, cfg *Config) (*Middleware, error) {
 	if runner == nil {
 		return nil, fmt.Errorf("httpidem: new: %w: runner is nil", ErrInvalidConfig)
 	}
-	if cfg == nil || cfg.Scope == nil {
-		return nil, fmt.Errorf("httpidem: new: %w: %w", ErrInvalidConfig, ErrNoScope)
+	if cfg == nil {
+		cfg = &Config{}
 	}
-	if cfg.MaxBodyBytes < 0 {
-		return nil, fmt.Errorf("httpidem: new: %w: MaxBodyBytes is negative", ErrInvalidConfig)
+	c := cfg.withDefaults()
+	if err := c.validate(); err != nil {
+		return nil, fmt.Errorf("httpidem: new: %w", err)
 	}
-	c := *cfg
-	if c.Required == nil {
-		c.Required = func(r *http.Request) bool { return r.Method == http.MethodPost || r.Method == http.MethodPatch }
-	}
-	c.MaxBodyBytes = cmp.Or(c.MaxBodyBytes, 1<<20)
-	if c.StoreHeaders == nil {
-		c.StoreHeaders = []string{"Content-Type", "Location"}
-	}
-	c.Logger = cmp.Or(c.Logger, slog.Default())
 	m := &Middleware{runner: runner, cfg: c, store: txnbridge.Of(runner).Store, stored: map[string]bool{}}
 	for _, h := range c.StoreHeaders {
 		m.stored[http.CanonicalHeaderKey(h)] = true

@@ -3,7 +3,6 @@ package httpidem_test
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -144,17 +143,6 @@ func TestWorkflowHandlerRunsAndReplays(t *testing.T) {
 	requireProblem(t, s.do(t, "POST", "/rides", "alice", "", `{}`), 400, "idempotency-key-missing")
 }
 
-func TestNewValidatesConfig(t *testing.T) {
-	t.Parallel()
-	_, err := httpidem.New(nil, &httpidem.Config{})
-	require.Error(t, err)
-	d := pgtest.New(t)
-	r, err := txn.New(d.Pool, nil)
-	require.NoError(t, err)
-	_, err = httpidem.New(r, &httpidem.Config{})
-	require.ErrorIs(t, err, httpidem.ErrNoScope)
-}
-
 // An empty principal would share one keyspace with every other caller
 // without one, letting them replay each other's responses: 401, unless the
 // middleware is told anonymous callers are fine.
@@ -263,18 +251,6 @@ func TestMiddlewareAndRunnerLogEachFailureOnce(t *testing.T) {
 	require.Len(t, errs, 1)
 	require.Contains(t, errs[0], "not registered")
 	require.NotContains(t, errs[0], "resumable")
-}
-
-func TestNewWrapsErrInvalidConfig(t *testing.T) {
-	t.Parallel()
-	_, err := httpidem.New(nil, &httpidem.Config{})
-	require.ErrorIs(t, err, httpidem.ErrInvalidConfig)
-	require.Equal(t, 1, strings.Count(err.Error(), "httpidem:"), err.Error())
-	r, err := txn.New(pgtest.Pool(t), nil)
-	require.NoError(t, err)
-	_, err = httpidem.New(r, &httpidem.Config{})
-	require.True(t, errors.Is(err, httpidem.ErrInvalidConfig) && errors.Is(err, httpidem.ErrNoScope), "%v", err)
-	require.Equal(t, "httpidem: new: invalid config: Config.Scope is required", err.Error())
 }
 
 // The acceptance test of Wrap under contention: 200 orders from 20

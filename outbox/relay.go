@@ -1,7 +1,6 @@
 package outbox
 
 import (
-	"cmp"
 	"context"
 	"fmt"
 	"log/slog"
@@ -93,28 +92,9 @@ func New(pool *pgxpool.Pool, pub Publisher, cfg *Config) (*Relay, error) {
 	if cfg != nil {
 		c = *cfg
 	}
-	switch {
-	case c.BatchSize < 0, c.BatchSize > 10000:
-		return nil, fmt.Errorf("%w: BatchSize %d is not between 1 and 10000", ErrInvalidConfig, c.BatchSize)
-	case c.PollInterval < 0:
-		return nil, fmt.Errorf("%w: negative PollInterval", ErrInvalidConfig)
-	case c.PublishTimeout < 0:
-		return nil, fmt.Errorf("%w: negative PublishTimeout", ErrInvalidConfig)
-	case c.MaxAttempts < 0:
-		return nil, fmt.Errorf("%w: negative MaxAttempts", ErrInvalidConfig)
-	case c.RetryBaseDelay < 0, c.RetryMaxDelay < 0:
-		return nil, fmt.Errorf("%w: negative retry delay", ErrInvalidConfig)
-	}
-	c.Logger = cmp.Or(c.Logger, slog.Default())
-	c.BatchSize = cmp.Or(c.BatchSize, 100)
-	c.PollInterval = cmp.Or(c.PollInterval, time.Second)
-	c.PublishTimeout = cmp.Or(c.PublishTimeout, 10*time.Second)
-	c.MaxAttempts = cmp.Or(c.MaxAttempts, 10)
-	c.RetryBaseDelay = cmp.Or(c.RetryBaseDelay, time.Second)
-	c.RetryMaxDelay = cmp.Or(c.RetryMaxDelay, 10*time.Minute)
-	if c.RetryMaxDelay < c.RetryBaseDelay {
-		return nil, fmt.Errorf("%w: RetryMaxDelay %v is less than RetryBaseDelay %v",
-			ErrInvalidConfig, c.RetryMaxDelay, c.RetryBaseDelay)
+	c = c.withDefaults()
+	if err := c.validate(); err != nil {
+		return nil, err
 	}
 	r := &Relay{
 		pool:  pool,

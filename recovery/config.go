@@ -1,9 +1,25 @@
 package recovery
 
 import (
+	"cmp"
+	"fmt"
 	"log/slog"
+	"math"
 	"time"
 )
+
+// The defaults of Config's fields, used for the fields left zero.
+const (
+	ResumeDelayDefault          = time.Minute
+	MaxAttemptsDefault          = 10
+	UnknownWorkflowDelayDefault = time.Hour
+	BatchSizeDefault            = 100
+	ConcurrencyDefault          = 4
+	IntervalDefault             = 30 * time.Second
+)
+
+// BatchSizeMax bounds Config.BatchSize.
+const BatchSizeMax = 10000
 
 // Config configures a Resumer. The zero value is usable; every field states
 // its default. The lease a resume holds, the maximum age of a key and the
@@ -17,29 +33,58 @@ type Config struct {
 	// ResumeDelay is how long after its last run a running key with a free
 	// or expired lease counts as stalled. Keep it longer than a client's
 	// retry window, so that clients get the first chance to retry.
-	// Default: 1 minute.
+	// Default: ResumeDelayDefault (1 minute).
 	ResumeDelay time.Duration
 
 	// MaxAttempts is how many attempts (first run, retries and resumes) a
 	// key gets; a stalled key that has had that many is failed with
-	// ReasonMaxAttempts. Default: 10.
+	// ReasonMaxAttempts. Default: MaxAttemptsDefault (10).
 	MaxAttempts int
 
 	// UnknownWorkflowDelay fails stalled keys whose workflow is not in the
 	// runner's registry (and running single-phase keys, which cannot be
 	// resumed) once they were created longer ago than this, with
 	// ReasonUnknownWorkflow. Younger ones are left for a resumer that has
-	// the workflow. Default: 1 hour.
+	// the workflow. Default: UnknownWorkflowDelayDefault (1 hour).
 	UnknownWorkflowDelay time.Duration
 
 	// BatchSize is how many keys one statement fails or claims, at most
-	// 10,000. Default: 100.
+	// BatchSizeMax (10,000). Default: BatchSizeDefault (100).
 	BatchSize int
 
-	// Concurrency is how many keys are resumed in parallel. Default: 4.
+	// Concurrency is how many keys are resumed in parallel.
+	// Default: ConcurrencyDefault (4).
 	Concurrency int
 
 	// Interval is the time between the starts of two rounds run by Start.
-	// Default: 30 seconds.
+	// Default: IntervalDefault (30 seconds).
 	Interval time.Duration
+}
+
+// withDefaults returns c with each zero field set to its default; logger is
+// the runner's.
+func (c Config) withDefaults(logger *slog.Logger) Config {
+	c.Logger = cmp.Or(c.Logger, logger)
+	c.ResumeDelay = cmp.Or(c.ResumeDelay, ResumeDelayDefault)
+	c.MaxAttempts = cmp.Or(c.MaxAttempts, MaxAttemptsDefault)
+	c.UnknownWorkflowDelay = cmp.Or(c.UnknownWorkflowDelay, UnknownWorkflowDelayDefault)
+	c.BatchSize = cmp.Or(c.BatchSize, BatchSizeDefault)
+	c.Concurrency = cmp.Or(c.Concurrency, ConcurrencyDefault)
+	c.Interval = cmp.Or(c.Interval, IntervalDefault)
+	return c
+}
+
+// validate reports a field outside its documented range, wrapping
+// ErrInvalidConfig. It checks c after withDefaults.
+func (c Config) validate() error {
+	switch {
+	case c.ResumeDelay < 0 || c.MaxAttempts < 0 || c.UnknownWorkflowDelay < 0 ||
+		c.BatchSize < 0 || c.Concurrency < 0 || c.Interval < 0:
+		return fmt.Errorf("%w: negative durations and counts are not allowed", ErrInvalidConfig)
+	case c.MaxAttempts > math.MaxInt32:
+		return fmt.Errorf("%w: MaxAttempts %d is too large", ErrInvalidConfig, c.MaxAttempts)
+	case c.BatchSize > BatchSizeMax:
+		return fmt.Errorf("%w: BatchSize %d is larger than %d", ErrInvalidConfig, c.BatchSize, BatchSizeMax)
+	}
+	return nil
 }

@@ -1,12 +1,10 @@
 package recovery
 
 import (
-	"cmp"
 	"context"
 	"errors"
 	"fmt"
 	"log/slog"
-	"math"
 	"sync"
 	"time"
 
@@ -89,23 +87,9 @@ func New(runner *txn.Runner, cfg *Config) (*Resumer, error) {
 		cfg = &Config{}
 	}
 	rc := txnbridge.Of(runner)
-	c := *cfg
-	if c.ResumeDelay < 0 || c.MaxAttempts < 0 || c.UnknownWorkflowDelay < 0 ||
-		c.BatchSize < 0 || c.Concurrency < 0 || c.Interval < 0 {
-		return nil, fmt.Errorf("recovery: new: %w: negative durations and counts are not allowed", ErrInvalidConfig)
-	}
-	c.Logger = cmp.Or(c.Logger, rc.Logger)
-	c.ResumeDelay = cmp.Or(c.ResumeDelay, time.Minute)
-	c.MaxAttempts = cmp.Or(c.MaxAttempts, 10)
-	c.UnknownWorkflowDelay = cmp.Or(c.UnknownWorkflowDelay, time.Hour)
-	c.BatchSize = cmp.Or(c.BatchSize, 100)
-	c.Concurrency = cmp.Or(c.Concurrency, 4)
-	c.Interval = cmp.Or(c.Interval, 30*time.Second)
-	switch {
-	case c.MaxAttempts > math.MaxInt32:
-		return nil, fmt.Errorf("recovery: new: %w: MaxAttempts %d is too large", ErrInvalidConfig, c.MaxAttempts)
-	case c.BatchSize > 10000:
-		return nil, fmt.Errorf("recovery: new: %w: BatchSize %d is larger than 10000", ErrInvalidConfig, c.BatchSize)
+	c := cfg.withDefaults(rc.Logger)
+	if err := c.validate(); err != nil {
+		return nil, fmt.Errorf("recovery: new: %w", err)
 	}
 	r := &Resumer{
 		q: db.New(rc.Pool), runner: runner, registered: rc.Registered, maxAge: rc.MaxAge, cfg: c, log: c.Logger,

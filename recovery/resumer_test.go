@@ -11,7 +11,6 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
-	"github.com/atomicphase/atomicphase/internal/pgtest"
 	"github.com/atomicphase/atomicphase/recovery"
 	"github.com/atomicphase/atomicphase/txn"
 )
@@ -457,28 +456,6 @@ func TestResumerRunOnceReportsCancellation(t *testing.T) {
 	cancel()
 	_, err := newResumer(t, f, f.registry, recovery.Config{}).RunOnce(ctx)
 	require.ErrorIs(t, err, context.Canceled)
-}
-
-func TestNewRejectsInvalidConfig(t *testing.T) {
-	t.Parallel()
-	runner, err := txn.New(pgtest.Pool(t), nil)
-	require.NoError(t, err)
-	_, err = recovery.New(nil, nil)
-	require.ErrorIs(t, err, recovery.ErrInvalidConfig)
-	require.Equal(t, "recovery: new: invalid config: runner is nil", err.Error(), "one prefix")
-	for name, cfg := range map[string]recovery.Config{
-		"negative resume delay":  {ResumeDelay: -time.Second},
-		"negative max attempts":  {MaxAttempts: -1},
-		"negative unknown delay": {UnknownWorkflowDelay: -time.Second},
-		"negative concurrency":   {Concurrency: -1},
-		"negative interval":      {Interval: -1},
-		"huge batch":             {BatchSize: 10001},
-	} {
-		_, err := recovery.New(runner, &cfg)
-		require.ErrorIs(t, err, recovery.ErrInvalidConfig, name)
-	}
-	_, err = recovery.New(runner, nil)
-	require.NoError(t, err)
 }
 
 // The Resumer takes MaxAge from the service's runner, so recovery and a

@@ -1,6 +1,8 @@
 package txn
 
 import (
+	"cmp"
+	"fmt"
 	"log/slog"
 	"time"
 )
@@ -22,22 +24,26 @@ type Config struct {
 	// LeaseDuration is how long an attempt holds a workflow key before
 	// another attempt may take it over; each committed phase extends it.
 	// Make it longer than the slowest phase, foreign calls included.
-	// Default: 90 seconds.
+	// Default: LeaseDurationDefault (90 seconds).
 	LeaseDuration time.Duration
 
 	// MaxRetries is how many times a phase is retried after a serialization
-	// failure (40001) or a deadlock (40P01) before ErrConflict. Default: 8.
+	// failure (40001) or a deadlock (40P01) before ErrConflict.
+	// Default: MaxRetriesDefault (8).
 	MaxRetries int
 
 	// RetryBaseDelay is the first retry's backoff; each retry doubles it, up
 	// to RetryMaxDelay, with equal jitter: the wait is drawn uniformly
-	// between half the backoff and all of it. Default: 2 milliseconds.
+	// between half the backoff and all of it.
+	// Default: RetryBaseDelayDefault (2 milliseconds).
 	RetryBaseDelay time.Duration
 
-	// RetryMaxDelay caps the retry backoff. Default: 250 milliseconds.
+	// RetryMaxDelay caps the retry backoff.
+	// Default: RetryMaxDelayDefault (250 milliseconds).
 	RetryMaxDelay time.Duration
 
-	// MaxParamsBytes is the largest Key.Params accepted. Default: 1 MiB.
+	// MaxParamsBytes is the largest Key.Params accepted.
+	// Default: MaxParamsBytesDefault (1 MiB).
 	MaxParamsBytes int
 
 	// WaitWhenInUse makes a call that finds the key held by another live
@@ -47,13 +53,13 @@ type Config struct {
 	WaitWhenInUse bool
 
 	// WaitPollInterval is how often a waiting call looks at the key again.
-	// Default: 50 milliseconds.
+	// Default: WaitPollIntervalDefault (50 milliseconds).
 	WaitPollInterval time.Duration
 
 	// ReleaseTimeout bounds releasing a key after a transient error, or
 	// removing one whose insert may have committed unseen. The release runs
 	// on a context detached from the caller's, so a cancelled request still
-	// releases its key. Default: 5 seconds.
+	// releases its key. Default: ReleaseTimeoutDefault (5 seconds).
 	ReleaseTimeout time.Duration
 
 	// MaxAge bounds how long after a key was created (by the database
@@ -81,8 +87,20 @@ type Config struct {
 	Store func(status int) bool
 }
 
-// MaxAgeDefault is Config.MaxAge's default.
-const MaxAgeDefault = 12 * time.Hour
+// The defaults of Config's fields, used for the fields left zero.
+const (
+	LeaseDurationDefault    = 90 * time.Second
+	MaxRetriesDefault       = 8
+	RetryBaseDelayDefault   = 2 * time.Millisecond
+	RetryMaxDelayDefault    = 250 * time.Millisecond
+	MaxParamsBytesDefault   = 1 << 20
+	WaitPollIntervalDefault = 50 * time.Millisecond
+	ReleaseTimeoutDefault   = 5 * time.Second
+	MaxAgeDefault           = 12 * time.Hour
+)
+
+// leaseDurationMin is the shortest Config.LeaseDuration accepted.
+const leaseDurationMin = 10 * time.Millisecond
 
 // MaxAgeLimit bounds Config.MaxAge: payment providers keep idempotency keys
 // for about 24 hours (Stripe: at least 24), so an operation must never call
@@ -99,4 +117,40 @@ func DefaultStore(status int) bool {
 		return false
 	}
 	return true
+}
+
+// withDefaults returns c with each zero field set to its default.
+func (c Config) withDefaults() Config {
+	if c.Workflows == nil {
+		c.Workflows = NewRegistry()
+	}
+	c.Logger = cmp.Or(c.Logger, slog.Default())
+	c.LeaseDuration = cmp.Or(c.LeaseDuration, LeaseDurationDefault)
+	c.MaxRetries = cmp.Or(c.MaxRetries, MaxRetriesDefault)
+	c.RetryBaseDelay = cmp.Or(c.RetryBaseDelay, RetryBaseDelayDefault)
+	c.RetryMaxDelay = cmp.Or(c.RetryMaxDelay, RetryMaxDelayDefault)
+	c.MaxParamsBytes = cmp.Or(c.MaxParamsBytes, MaxParamsBytesDefault)
+	c.WaitPollInterval = cmp.Or(c.WaitPollInterval, WaitPollIntervalDefault)
+	c.ReleaseTimeout = cmp.Or(c.ReleaseTimeout, ReleaseTimeoutDefault)
+	c.MaxAge = cmp.Or(c.MaxAge, MaxAgeDefault)
+	if c.Store == nil {
+		c.Store = DefaultStore
+	}
+	return c
+}
+
+// validate reports a field outside its documented range, wrapping
+// ErrInvalidConfig. It checks c after withDefaults.
+func (c Config) validate() error {
+	switch {
+	case c.LeaseDuration < 0 || c.MaxRetries < 0 || c.RetryBaseDelay < 0 || c.RetryMaxDelay < 0 ||
+		c.MaxParamsBytes < 0 || c.WaitPollInterval < 0 || c.ReleaseTimeout < 0 || c.MaxAge < 0:
+		return fmt.Errorf("%w: negative durations and counts are not allowed", ErrInvalidConfig)
+	case c.LeaseDuration < leaseDurationMin:
+		return fmt.Errorf("%w: LeaseDuration %v is shorter than %v", ErrInvalidConfig, c.LeaseDuration, leaseDurationMin)
+	case c.MaxAge >= MaxAgeLimit:
+		return fmt.Errorf("%w: MaxAge %v must be shorter than %v, the payment providers' idempotency window",
+			ErrInvalidConfig, c.MaxAge, MaxAgeLimit)
+	}
+	return nil
 }

@@ -1,7 +1,6 @@
 package txn
 
 import (
-	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -58,30 +57,9 @@ func New(pool *pgxpool.Pool, cfg *Config) (*Runner, error) {
 	if cfg == nil {
 		cfg = &Config{}
 	}
-	c := *cfg
-	if c.LeaseDuration < 0 || c.MaxRetries < 0 || c.RetryBaseDelay < 0 || c.RetryMaxDelay < 0 ||
-		c.MaxParamsBytes < 0 || c.WaitPollInterval < 0 || c.ReleaseTimeout < 0 || c.MaxAge < 0 {
-		return nil, fmt.Errorf("txn: new: %w: negative durations and counts are not allowed", ErrInvalidConfig)
-	}
-	if c.LeaseDuration != 0 && c.LeaseDuration < 10*time.Millisecond {
-		return nil, fmt.Errorf("txn: new: %w: LeaseDuration %v is shorter than 10ms", ErrInvalidConfig, c.LeaseDuration)
-	}
-	if c.MaxAge >= MaxAgeLimit {
-		return nil, fmt.Errorf("txn: new: %w: MaxAge %v must be shorter than %v, the payment providers' idempotency window",
-			ErrInvalidConfig, c.MaxAge, MaxAgeLimit)
-	}
-	c.Workflows = cmp.Or(c.Workflows, NewRegistry())
-	c.Logger = cmp.Or(c.Logger, slog.Default())
-	c.LeaseDuration = cmp.Or(c.LeaseDuration, 90*time.Second)
-	c.MaxRetries = cmp.Or(c.MaxRetries, 8)
-	c.RetryBaseDelay = cmp.Or(c.RetryBaseDelay, 2*time.Millisecond)
-	c.RetryMaxDelay = cmp.Or(c.RetryMaxDelay, 250*time.Millisecond)
-	c.MaxParamsBytes = cmp.Or(c.MaxParamsBytes, 1<<20)
-	c.WaitPollInterval = cmp.Or(c.WaitPollInterval, 50*time.Millisecond)
-	c.ReleaseTimeout = cmp.Or(c.ReleaseTimeout, 5*time.Second)
-	c.MaxAge = cmp.Or(c.MaxAge, MaxAgeDefault)
-	if c.Store == nil {
-		c.Store = DefaultStore
+	c := cfg.withDefaults()
+	if err := c.validate(); err != nil {
+		return nil, fmt.Errorf("txn: new: %w", err)
 	}
 	return &Runner{
 		pool: pool, q: db.New(pool), cfg: c, log: c.Logger, maxAgeBody: failure.MaxAgeBody(c.MaxAge),

@@ -19,26 +19,6 @@ import (
 	"github.com/atomicphase/atomicphase/txn"
 )
 
-func TestConfigAndRegistryValidation(t *testing.T) {
-	t.Parallel()
-	_, err := txn.New(nil, nil)
-	require.ErrorIs(t, err, txn.ErrInvalidConfig)
-	e := newEnv(t, nil)
-	_, err = txn.New(e.Pool, &txn.Config{LeaseDuration: -1})
-	require.ErrorIs(t, err, txn.ErrInvalidConfig)
-	_, err = txn.New(e.Pool, &txn.Config{LeaseDuration: time.Millisecond})
-	require.ErrorIs(t, err, txn.ErrInvalidConfig)
-
-	reg := txn.NewRegistry()
-	noop := func(context.Context, *txn.Attempt) (txn.Response, error) { return txn.Response{Status: 200}, nil }
-	require.ErrorIs(t, reg.Register(nil), txn.ErrInvalidUse)
-	require.ErrorIs(t, reg.Register(txn.NewWorkflow("", noop)), txn.ErrInvalidUse)
-	require.ErrorIs(t, reg.Register(txn.NewWorkflow("x", nil)), txn.ErrInvalidUse)
-	require.NoError(t, reg.Register(txn.NewWorkflow("x", noop)))
-	require.ErrorIs(t, reg.Register(txn.NewWorkflow("x", noop)), txn.ErrInvalidUse, "duplicate name")
-	require.Equal(t, []string{"x"}, reg.Names())
-}
-
 // A phase's retries after a serialization failure or a deadlock back off
 // from RetryBaseDelay, doubling up to RetryMaxDelay, with equal jitter.
 func TestPhaseRetriesBackOffWithEqualJitter(t *testing.T) {
@@ -49,22 +29,6 @@ func TestPhaseRetriesBackOffWithEqualJitter(t *testing.T) {
 	require.Equal(t, backoff.Policy{Base: 3 * time.Millisecond, Max: 40 * time.Millisecond, Jitter: backoff.Equal}, txn.RetryPolicy(r))
 	require.Equal(t, backoff.Policy{Base: 2 * time.Millisecond, Max: 250 * time.Millisecond, Jitter: backoff.Equal},
 		txn.RetryPolicy(e.runner), "the defaults")
-}
-
-func TestMaxAgeMustStayUnderTheProvidersWindow(t *testing.T) {
-	t.Parallel()
-	e := newEnv(t, nil)
-	for _, bad := range []time.Duration{txn.MaxAgeLimit, 36 * time.Hour, -time.Second} {
-		_, err := txn.New(e.Pool, &txn.Config{MaxAge: bad})
-		require.ErrorIs(t, err, txn.ErrInvalidConfig, bad)
-	}
-	r, err := txn.New(e.Pool, &txn.Config{MaxAge: txn.MaxAgeLimit - time.Second})
-	require.NoError(t, err)
-	require.Equal(t, txn.MaxAgeLimit-time.Second, txnbridge.Of(r).MaxAge)
-	r, err = txn.New(e.Pool, nil)
-	require.NoError(t, err)
-	require.Equal(t, txn.MaxAgeDefault, txnbridge.Of(r).MaxAge)
-	require.Equal(t, 12*time.Hour, txn.MaxAgeDefault)
 }
 
 // The module's packages built on txn (recovery, httpidem) see the runner's

@@ -7,13 +7,17 @@
 //	reaper -once -dry-run              # report what a round would do; change nothing
 //
 // Settings come from flags, with environment variables as their defaults:
-// -database-url ($DATABASE_URL), -ttl ($REAPER_TTL, default 24h, from 24h to
-// 168h), -outbox-retention ($REAPER_OUTBOX_RETENTION, 168h), -resume-delay
-// ($REAPER_RESUME_DELAY, 1m), -max-attempts ($REAPER_MAX_ATTEMPTS, 10),
-// -max-age ($REAPER_MAX_AGE, 12h, under 24h: the txn.Config.MaxAge of the
-// runner the reaper works through; give it the services' value), -unknown-workflow-delay
-// ($REAPER_UNKNOWN_WORKFLOW_DELAY, 1h), -batch-size ($REAPER_BATCH_SIZE,
-// 1000) and -log-level ($REAPER_LOG_LEVEL, info).
+// -database-url ($DATABASE_URL), -ttl ($REAPER_TTL), -outbox-retention
+// ($REAPER_OUTBOX_RETENTION), -resume-delay ($REAPER_RESUME_DELAY),
+// -max-attempts ($REAPER_MAX_ATTEMPTS), -max-age ($REAPER_MAX_AGE: the
+// txn.Config.MaxAge of the runner the reaper works through; give it the
+// services' value), -unknown-workflow-delay ($REAPER_UNKNOWN_WORKFLOW_DELAY),
+// -batch-size ($REAPER_BATCH_SIZE, for recovery and cleanup alike) and
+// -log-level ($REAPER_LOG_LEVEL). Their defaults are the packages' own
+// (cleanup.TTLDefault, cleanup.OutboxRetentionDefault,
+// recovery.ResumeDelayDefault, recovery.MaxAttemptsDefault,
+// txn.MaxAgeDefault, recovery.UnknownWorkflowDelayDefault,
+// cleanup.BatchSizeDefault); reaper -help prints them.
 //
 // Logs are JSON lines on standard error, one summary line per round
 // (msg "reaper round", or "reaper dry run"). The exit status is 0 when every

@@ -216,20 +216,20 @@ func parseArgs(args []string, stdout io.Writer) (options, error) {
 	e := envDefaults{fs: fs}
 	e.stringVar(&o.databaseURL, "database-url", "DATABASE_URL", "",
 		"PostgreSQL connection URL (required)")
-	e.durationVar(&o.ttl, "ttl", "REAPER_TTL", cleanup.MinTTL,
-		"delete terminal idempotency keys finished longer ago than this (24h to 168h)")
-	e.durationVar(&o.outboxRetention, "outbox-retention", "REAPER_OUTBOX_RETENTION", 7*24*time.Hour,
+	e.durationVar(&o.ttl, "ttl", "REAPER_TTL", cleanup.TTLDefault,
+		fmt.Sprintf("delete terminal idempotency keys finished longer ago than this (%v to %v)", cleanup.MinTTL, cleanup.MaxTTL))
+	e.durationVar(&o.outboxRetention, "outbox-retention", "REAPER_OUTBOX_RETENTION", cleanup.OutboxRetentionDefault,
 		"delete outbox messages published or dead-lettered longer ago than this")
-	e.durationVar(&o.resumeDelay, "resume-delay", "REAPER_RESUME_DELAY", time.Minute,
+	e.durationVar(&o.resumeDelay, "resume-delay", "REAPER_RESUME_DELAY", recovery.ResumeDelayDefault,
 		"a running key with a free or expired lease is stalled this long after its last run")
-	e.intVar(&o.maxAttempts, "max-attempts", "REAPER_MAX_ATTEMPTS", 10,
+	e.intVar(&o.maxAttempts, "max-attempts", "REAPER_MAX_ATTEMPTS", recovery.MaxAttemptsDefault,
 		"fail stalled keys that have had this many attempts")
 	e.durationVar(&o.maxAge, "max-age", "REAPER_MAX_AGE", txn.MaxAgeDefault,
-		"fail stalled keys created longer ago than this (under 24h)")
-	e.durationVar(&o.unknownWorkflowDelay, "unknown-workflow-delay", "REAPER_UNKNOWN_WORKFLOW_DELAY", time.Hour,
+		fmt.Sprintf("fail stalled keys created longer ago than this (under %v)", txn.MaxAgeLimit))
+	e.durationVar(&o.unknownWorkflowDelay, "unknown-workflow-delay", "REAPER_UNKNOWN_WORKFLOW_DELAY", recovery.UnknownWorkflowDelayDefault,
 		"fail stalled keys this binary cannot resume (every workflow) once they are this old")
-	e.intVar(&o.batchSize, "batch-size", "REAPER_BATCH_SIZE", 1000,
-		"most rows changed by one transaction (at most 10000)")
+	e.intVar(&o.batchSize, "batch-size", "REAPER_BATCH_SIZE", cleanup.BatchSizeDefault,
+		fmt.Sprintf("most rows changed by one transaction (at most %d)", min(recovery.BatchSizeMax, cleanup.BatchSizeMax)))
 	e.levelVar(&o.logLevel, "log-level", "REAPER_LOG_LEVEL", slog.LevelInfo,
 		"log level: debug, info, warn or error")
 	fs.BoolVar(&o.once, "once", false, "run one round and exit (for cron)")

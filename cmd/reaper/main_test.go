@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"syscall"
 	"testing"
@@ -295,4 +296,37 @@ func freshSchema(t *testing.T, server string) string {
 		}
 	})
 	return schema
+}
+
+// The README's flag table shows the defaults the command really has (the
+// recovery, cleanup and txn packages' constants).
+func TestReadmeFlagTableShowsTheDefaults(t *testing.T) {
+	for _, env := range []string{"REAPER_TTL", "REAPER_OUTBOX_RETENTION", "REAPER_RESUME_DELAY", "REAPER_MAX_ATTEMPTS",
+		"REAPER_MAX_AGE", "REAPER_UNKNOWN_WORKFLOW_DELAY", "REAPER_BATCH_SIZE", "REAPER_LOG_LEVEL"} {
+		t.Setenv(env, "") // unset: the built-in default
+	}
+	o, err := parseArgs([]string{"-once", "-database-url", "postgres://x/y"}, io.Discard)
+	require.NoError(t, err)
+	actual := map[string]string{
+		"-ttl":                    o.ttl.String(),
+		"-outbox-retention":       o.outboxRetention.String(),
+		"-resume-delay":           o.resumeDelay.String(),
+		"-max-attempts":           fmt.Sprint(o.maxAttempts),
+		"-max-age":                o.maxAge.String(),
+		"-unknown-workflow-delay": o.unknownWorkflowDelay.String(),
+		"-batch-size":             fmt.Sprint(o.batchSize),
+		"-log-level":              strings.ToLower(o.logLevel.String()),
+	}
+	readme, err := os.ReadFile("../../README.md")
+	require.NoError(t, err)
+	row := regexp.MustCompile("(?m)^\\| `(-[a-z-]+)` \\| `[A-Z_]+` \\| `([^`]+)`")
+	documented := map[string]string{}
+	for _, m := range row.FindAllStringSubmatch(string(readme), -1) {
+		v := m[2]
+		if d, err := time.ParseDuration(v); err == nil {
+			v = d.String() // "24h" as the flag package prints it
+		}
+		documented[m[1]] = v
+	}
+	require.Equal(t, actual, documented)
 }

@@ -6,6 +6,7 @@
 package natspub
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -35,7 +36,7 @@ type Config struct {
 	Streams []string
 
 	// MaxInFlight bounds how many messages one Publish call has awaiting
-	// their acknowledgement at once. Default: 64.
+	// their acknowledgement at once. Default: MaxInFlightDefault (64).
 	MaxInFlight int
 }
 
@@ -77,22 +78,39 @@ func New(js jetstream.JetStream, cfg *Config) (*Publisher, error) {
 	if cfg != nil {
 		c = *cfg
 	}
-	if c.MaxInFlight < 0 {
-		return nil, fmt.Errorf("%w: negative MaxInFlight", ErrInvalidConfig)
+	c = c.withDefaults()
+	if err := c.validate(); err != nil {
+		return nil, err
 	}
-	if c.MaxInFlight == 0 {
-		c.MaxInFlight = 64
+	return &Publisher{js: js, cfg: c}, nil
+}
+
+// MaxInFlightDefault is Config.MaxInFlight's default.
+const MaxInFlightDefault = 64
+
+// withDefaults returns c with each zero field set to its default, and its
+// own copy of Streams.
+func (c Config) withDefaults() Config {
+	c.MaxInFlight = cmp.Or(c.MaxInFlight, MaxInFlightDefault)
+	c.Streams = slices.Clone(c.Streams)
+	return c
+}
+
+// validate reports a field outside its documented range, wrapping
+// ErrInvalidConfig. It checks c after withDefaults.
+func (c Config) validate() error {
+	if c.MaxInFlight < 0 {
+		return fmt.Errorf("%w: negative MaxInFlight", ErrInvalidConfig)
 	}
 	for _, name := range c.Streams {
 		if name == "" || strings.ContainsAny(name, " \t\r\n.*>") {
-			return nil, fmt.Errorf("%w: stream name %q is empty or contains whitespace, '.', '*' or '>'", ErrInvalidConfig, name)
+			return fmt.Errorf("%w: stream name %q is empty or contains whitespace, '.', '*' or '>'", ErrInvalidConfig, name)
 		}
 	}
-	c.Streams = slices.Clone(c.Streams)
 	if strings.ContainsAny(c.SubjectPrefix, " \t\r\n*>") {
-		return nil, fmt.Errorf("%w: SubjectPrefix %q contains whitespace or a wildcard", ErrInvalidConfig, c.SubjectPrefix)
+		return fmt.Errorf("%w: SubjectPrefix %q contains whitespace or a wildcard", ErrInvalidConfig, c.SubjectPrefix)
 	}
-	return &Publisher{js: js, cfg: c}, nil
+	return nil
 }
 
 // Publish implements outbox.Publisher: it publishes msgs concurrently (they

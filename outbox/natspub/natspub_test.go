@@ -69,6 +69,35 @@ func TestNATSPublisherMsgIDAndDedup(t *testing.T) {
 	require.ErrorIs(t, err, outbox.ErrInvalidConfig)
 }
 
+// New refuses an unusable configuration with an error matching this
+// package's ErrInvalidConfig and outbox's, and fills the defaults.
+func TestNewValidatesConfigAndFillsDefaults(t *testing.T) {
+	t.Parallel()
+	js := outboxtest.Conn(t, outboxtest.NATSURL(t))
+	_, err := natspub.New(nil, nil)
+	require.ErrorIs(t, err, natspub.ErrInvalidConfig)
+	require.ErrorIs(t, err, outbox.ErrInvalidConfig)
+	for _, cfg := range []natspub.Config{
+		{MaxInFlight: -1},
+		{Streams: []string{""}},
+		{Streams: []string{"ORDERS", "a.b"}},
+		{SubjectPrefix: "a.>"},
+		{SubjectPrefix: "a b."},
+	} {
+		_, err := natspub.New(js, &cfg)
+		require.ErrorIs(t, err, natspub.ErrInvalidConfig, "%+v", cfg)
+		require.ErrorIs(t, err, outbox.ErrInvalidConfig, "%+v", cfg)
+	}
+	streams := []string{"ORDERS"}
+	p, err := natspub.New(js, &natspub.Config{Streams: streams})
+	require.NoError(t, err)
+	c := natspub.ConfigOf(p)
+	require.Equal(t, 64, c.MaxInFlight)
+	require.Equal(t, natspub.MaxInFlightDefault, c.MaxInFlight)
+	streams[0] = "CHANGED"
+	require.Equal(t, []string{"ORDERS"}, natspub.ConfigOf(p).Streams, "New keeps its own copy")
+}
+
 // The relay crashes after JetStream acknowledged the batch but before the
 // rows were marked: its database connection is killed right after
 // publishing, so the claim transaction never commits. After a new relay

@@ -3,6 +3,7 @@ package webhook
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"fmt"
 	"io"
@@ -57,11 +58,12 @@ type Config struct {
 	// longer than the relay's publish deadline (three quarters of its
 	// PublishTimeout, 7.5 s by default): outbox.New refuses a relay whose
 	// deadline would cut off every call that needs the full Timeout.
-	// Default: 5 seconds.
+	// Default: TimeoutDefault (5 seconds).
 	Timeout time.Duration
 
 	// Concurrency bounds how many calls one Publish makes at once (the
-	// messages of one call never share an ordering key). Default: 4.
+	// messages of one call never share an ordering key). Default:
+	// ConcurrencyDefault (4).
 	Concurrency int
 }
 
@@ -93,49 +95,63 @@ type Publisher struct {
 
 // New returns a publisher that calls cfg.URL.
 func New(cfg Config) (*Publisher, error) {
-	u, err := url.Parse(cfg.URL)
-	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
-		return nil, fmt.Errorf("%w: URL %q is not an absolute http(s) URL", ErrInvalidConfig, cfg.URL)
+	c := cfg.withDefaults()
+	if err := c.validate(); err != nil {
+		return nil, err
 	}
-	if len(cfg.Secrets) == 0 {
-		return nil, fmt.Errorf("%w: no Secrets", ErrInvalidConfig)
+	keys := make([][]byte, len(c.Secrets))
+	for i, secret := range c.Secrets {
+		keys[i], _ = parseSecret(secret) // validate checked them
 	}
-	keys := make([][]byte, len(cfg.Secrets))
-	for i, secret := range cfg.Secrets {
-		key, err := parseSecret(secret)
-		if err != nil {
-			return nil, fmt.Errorf("%w: Secrets[%d]: %w", ErrInvalidConfig, i, err)
-		}
-		keys[i] = key
-	}
-	if cfg.Timeout < 0 || cfg.Concurrency < 0 {
-		return nil, fmt.Errorf("%w: negative Timeout or Concurrency", ErrInvalidConfig)
-	}
-	if cfg.Timeout == 0 {
-		cfg.Timeout = TimeoutDefault
-	}
-	if cfg.Concurrency == 0 {
-		cfg.Concurrency = 4
-	}
-	client := cfg.Client
-	if client == nil {
-		client = &http.Client{
+	c.Secrets = nil // kept only as keys
+	return &Publisher{
+		url:    c.URL,
+		keys:   keys,
+		client: c.Client,
+		cfg:    c,
+		now:    time.Now,
+	}, nil
+}
+
+// withDefaults returns c with each zero field set to its default.
+func (c Config) withDefaults() Config {
+	if c.Client == nil {
+		c.Client = &http.Client{
 			CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse },
 		}
 	}
-	cfg.Secrets = nil // kept only as keys
-	return &Publisher{
-		url:    cfg.URL,
-		keys:   keys,
-		client: client,
-		cfg:    cfg,
-		now:    time.Now,
-	}, nil
+	c.Timeout = cmp.Or(c.Timeout, TimeoutDefault)
+	c.Concurrency = cmp.Or(c.Concurrency, ConcurrencyDefault)
+	return c
+}
+
+// validate reports a missing or out-of-range field, wrapping
+// ErrInvalidConfig. It checks c after withDefaults.
+func (c Config) validate() error {
+	u, err := url.Parse(c.URL)
+	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+		return fmt.Errorf("%w: URL %q is not an absolute http(s) URL", ErrInvalidConfig, c.URL)
+	}
+	if len(c.Secrets) == 0 {
+		return fmt.Errorf("%w: no Secrets", ErrInvalidConfig)
+	}
+	for i, secret := range c.Secrets {
+		if _, err := parseSecret(secret); err != nil {
+			return fmt.Errorf("%w: Secrets[%d]: %w", ErrInvalidConfig, i, err)
+		}
+	}
+	if c.Timeout < 0 || c.Concurrency < 0 {
+		return fmt.Errorf("%w: negative Timeout or Concurrency", ErrInvalidConfig)
+	}
+	return nil
 }
 
 // TimeoutDefault is Config.Timeout's default, within the publish deadline of
 // a relay with the default PublishTimeout.
 const TimeoutDefault = 5 * time.Second
+
+// ConcurrencyDefault is Config.Concurrency's default.
+const ConcurrencyDefault = 4
 
 // CheckRelay implements outbox.Checker: a call's Timeout must end within the
 // relay's publish deadline.

@@ -289,8 +289,18 @@ func TestNewValidatesConfig(t *testing.T) {
 		{URL: "http://127.0.0.1/hook", Secrets: []string{"whsec_" + base64.StdEncoding.EncodeToString(make([]byte, 65))}},
 	} {
 		_, err := webhook.New(cfg)
+		require.ErrorIs(t, err, webhook.ErrInvalidConfig, "%+v", cfg)
 		require.ErrorIs(t, err, outbox.ErrInvalidConfig, "%+v", cfg)
 	}
+	p, err := webhook.New(webhook.Config{URL: "http://127.0.0.1/hook", Secrets: []string{testSecret}})
+	require.NoError(t, err)
+	c := webhook.ConfigOf(p)
+	require.Equal(t, 5*time.Second, c.Timeout)
+	require.Equal(t, webhook.TimeoutDefault, c.Timeout)
+	require.Equal(t, 4, c.Concurrency)
+	require.Equal(t, webhook.ConcurrencyDefault, c.Concurrency)
+	require.NotNil(t, c.Client)
+	require.Nil(t, c.Secrets, "kept only as keys")
 }
 
 // With one call at a time, a receiver that hangs on one message until the
