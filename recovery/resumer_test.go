@@ -43,7 +43,7 @@ func TestResumerResumesStalledKeyAtEachRecoveryPoint(t *testing.T) {
 		crash     bool   // leave an expired lease behind, as a crashed process does
 		ran       map[string]int
 	}{
-		{name: "started", failPhase: "reserve", point: "started",
+		{name: "started", failPhase: "reserve", point: txn.RecoveryPointStarted,
 			ran: map[string]int{"reserve": 1, "charge": 1, "finish": 1}},
 		{name: "after_phase_1_released", failPhase: "charge", point: "reserve",
 			ran: map[string]int{"reserve": 1, "charge": 1, "finish": 1}},

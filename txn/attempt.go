@@ -55,8 +55,9 @@ func (a *Attempt) Key() (scope, value string) { return a.req.key.Scope, a.req.ke
 // that takes the key over.
 func (a *Attempt) Number() int { return a.number }
 
-// ResumedFrom is the recovery point this attempt started from: "started"
-// for a fresh key, else the last phase committed before it.
+// ResumedFrom is the recovery point this attempt started from:
+// RecoveryPointStarted for a fresh key, else the last phase committed before
+// it.
 func (a *Attempt) ResumedFrom() string { return a.start }
 
 // ForeignKey returns the idempotency key to pass to a foreign system for the

@@ -70,9 +70,11 @@ var (
 type KeyStateError struct {
 	// Err is ErrKeyInUse or ErrKeyReused.
 	Err error
-	// Status is the existing key's status: "running", "finished" or "failed".
-	Status string
-	// RecoveryPoint is the existing key's last committed phase.
+	// Status is the existing key's status: KeyRunning, KeyFinished or
+	// KeyFailed.
+	Status KeyStatus
+	// RecoveryPoint is the existing key's last committed phase, or
+	// RecoveryPointStarted before any.
 	RecoveryPoint string
 	// RetryAfter suggests when to try again (ErrKeyInUse): the time left on
 	// the holder's lease by the database clock, at least one second.

@@ -109,7 +109,7 @@ func TestSameKeyWithAnotherRequestIsKeyReused(t *testing.T) {
 		require.Equal(t, http.StatusUnprocessableEntity, txn.HTTPStatus(err))
 		var kse *txn.KeyStateError
 		require.ErrorAs(t, err, &kse)
-		require.Equal(t, "finished", kse.Status)
+		require.Equal(t, txn.KeyFinished, kse.Status)
 	}
 	require.Equal(t, int64(1), calls.Load(), "nothing ran")
 	require.Equal(t, before.Xmin, readKey(t, e.Pool, "acct_1", "k1").Xmin, "row unchanged")
@@ -142,6 +142,8 @@ func TestConcurrentAttemptGetsKeyInUseAtOnce(t *testing.T) {
 	var kse *txn.KeyStateError
 	require.ErrorAs(t, err, &kse)
 	require.GreaterOrEqual(t, kse.RetryAfter, time.Second)
+	require.Equal(t, txn.KeyRunning, kse.Status)
+	require.Equal(t, txn.RecoveryPointStarted, kse.RecoveryPoint)
 
 	close(release)
 	require.NoError(t, <-done)

@@ -93,10 +93,30 @@ func (r *Runner) Stats() Stats {
 	}
 }
 
-// Key statuses and reserved recovery points, as stored.
+// KeyStatus is the status of a stored idempotency key.
+type KeyStatus string
+
+// Key statuses, as stored.
 const (
-	statusRunning = "running"
-	pointStarted  = "started"
+	// KeyRunning: an attempt is working on the key, or one stopped before
+	// its operation reached a terminal response (then a retry or the
+	// recovery Resumer resumes it).
+	KeyRunning KeyStatus = "running"
+	// KeyFinished: the operation's terminal response is stored.
+	KeyFinished KeyStatus = "finished"
+	// KeyFailed: atomicphase stopped the operation (see package recovery,
+	// and Config.MaxAge) and stored a problem response in its place.
+	KeyFailed KeyStatus = "failed"
+)
+
+// RecoveryPointStarted is the recovery point of a key before any of its
+// phases committed.
+const RecoveryPointStarted = "started"
+
+// Key statuses and reserved recovery points, as the queries compare them.
+const (
+	statusRunning = string(KeyRunning)
+	pointStarted  = RecoveryPointStarted
 	pointFinished = "finished"
 )
 
@@ -110,7 +130,7 @@ func (r *Runner) existing(ctx context.Context, req request, workflow string, row
 		r.reused.Add(1)
 		r.log.Log(ctx, r.cfg.HitLogLevel, "idempotency key reused for a different request",
 			"scope", req.key.Scope, "key", req.key.Value, "status", row.Status)
-		return Response{}, &KeyStateError{Err: ErrKeyReused, Status: row.Status, RecoveryPoint: row.RecoveryPoint}
+		return Response{}, &KeyStateError{Err: ErrKeyReused, Status: KeyStatus(row.Status), RecoveryPoint: row.RecoveryPoint}
 	}
 	if row.Status != statusRunning {
 		return r.replay(ctx, req, row.Status, row.ResponseStatus.Int32, row.ResponseHeaders, row.ResponseBody)
@@ -152,7 +172,7 @@ func (r *Runner) inUseError(ctx context.Context, req request, status, point stri
 	retry := max(time.Duration(remaining*float64(time.Second)).Round(time.Second), time.Second)
 	r.log.Log(ctx, r.cfg.HitLogLevel, "idempotency key in use",
 		"scope", req.key.Scope, "key", req.key.Value, "recovery_point", point, "retry_after", retry)
-	return &KeyStateError{Err: ErrKeyInUse, Status: status, RecoveryPoint: point, RetryAfter: retry}
+	return &KeyStateError{Err: ErrKeyInUse, Status: KeyStatus(status), RecoveryPoint: point, RetryAfter: retry}
 }
 
 // inFlight handles a key whose insert is uncommitted in another transaction.

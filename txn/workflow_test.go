@@ -51,6 +51,7 @@ func TestLiveWorkflowLeaseGivesKeyInUseWithRetryAfter(t *testing.T) {
 	var kse *txn.KeyStateError
 	require.ErrorAs(t, err, &kse)
 	require.Equal(t, "ride_created", kse.RecoveryPoint)
+	require.Equal(t, txn.KeyRunning, kse.Status)
 	require.Greater(t, kse.RetryAfter, 30*time.Second, "Retry-After follows the holder's lease")
 
 	f.hook = nil
