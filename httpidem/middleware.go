@@ -82,42 +82,42 @@ func (m *Middleware) prepare(w http.ResponseWriter, r *http.Request) (*request, 
 	raw := r.Header.Values(HeaderName)
 	if len(raw) == 0 {
 		if m.cfg.Required(r) {
-			problem(w, problemMissingKey, "This request needs an Idempotency-Key header.", 0)
+			problem(w, http.StatusBadRequest, problemMissingKey, "This request needs an Idempotency-Key header.", 0)
 			return nil, false
 		}
 		return nil, true
 	}
 	if len(raw) > 1 {
-		problem(w, problemInvalidKey, "Send one Idempotency-Key header.", 0)
+		problem(w, http.StatusBadRequest, problemInvalidKey, "Send one Idempotency-Key header.", 0)
 		return nil, false
 	}
 	value, err := ParseKey(raw[0])
 	if err != nil {
-		problem(w, problemInvalidKey, "The Idempotency-Key header is invalid: "+strings.TrimPrefix(err.Error(), ErrInvalidHeader.Error()+": ")+".", 0)
+		problem(w, http.StatusBadRequest, problemInvalidKey, "The Idempotency-Key header is invalid: "+strings.TrimPrefix(err.Error(), ErrInvalidHeader.Error()+": ")+".", 0)
 		return nil, false
 	}
 	scope, err := m.cfg.Scope(r)
 	if err != nil {
 		m.cfg.Logger.DebugContext(r.Context(), "idempotent request without a principal", "method", r.Method, "path", r.URL.Path, "error", err)
-		problem(w, problemUnauthorized, "The request's principal could not be established.", 0)
+		problem(w, http.StatusUnauthorized, problemUnauthorized, "The request's principal could not be established.", 0)
 		return nil, false
 	}
 	if scope == "" && !m.cfg.AllowAnonymous {
-		problem(w, problemUnauthorized, "An Idempotency-Key is only accepted from an authenticated principal.", 0)
+		problem(w, http.StatusUnauthorized, problemUnauthorized, "An Idempotency-Key is only accepted from an authenticated principal.", 0)
 		return nil, false
 	}
 	var reqErr *txn.RequestError
 	if err := txn.ValidateScope(scope); errors.As(err, &reqErr) {
-		problem(w, problemBadRequest, "The request's principal cannot scope an Idempotency-Key: it is "+reqErr.Reason+".", 0)
+		problem(w, http.StatusBadRequest, problemBadRequest, "The request's principal cannot scope an Idempotency-Key: it is "+reqErr.Reason+".", 0)
 		return nil, false
 	}
 	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, m.cfg.MaxBodyBytes))
 	if err != nil {
 		var tooLarge *http.MaxBytesError
 		if errors.As(err, &tooLarge) {
-			problem(w, problemTooLarge, fmt.Sprintf("The body exceeds %d bytes.", m.cfg.MaxBodyBytes), 0)
+			problem(w, http.StatusRequestEntityTooLarge, problemTooLarge, fmt.Sprintf("The body exceeds %d bytes.", m.cfg.MaxBodyBytes), 0)
 		} else {
-			problem(w, problemBadRequest, "The body could not be read.", 0)
+			problem(w, http.StatusBadRequest, problemBadRequest, "The body could not be read.", 0)
 		}
 		return nil, false
 	}
@@ -183,7 +183,7 @@ func (m *Middleware) Workflow(wf *txn.Workflow) http.Handler {
 			return
 		}
 		if req == nil {
-			problem(w, problemMissingKey, "This request needs an Idempotency-Key header.", 0)
+			problem(w, http.StatusBadRequest, problemMissingKey, "This request needs an Idempotency-Key header.", 0)
 			return
 		}
 		resp, err := m.runner.RunWorkflow(r.Context(), req.key, wf)
@@ -216,6 +216,9 @@ func (m *Middleware) answer(w http.ResponseWriter, r *http.Request, resp txn.Res
 		_, _ = w.Write(resp.Body)
 		return
 	}
+	// The status is txn's, so an API that answers with txn.HTTPStatus and
+	// one behind this middleware answer alike.
+	status := txn.HTTPStatus(err)
 	var (
 		kse    *txn.KeyStateError
 		reqErr *txn.RequestError
@@ -226,26 +229,26 @@ func (m *Middleware) answer(w http.ResponseWriter, r *http.Request, resp txn.Res
 		if errors.As(err, &kse) {
 			retry = kse.RetryAfter
 		}
-		problem(w, problemInUse, "A request with this Idempotency-Key is being processed; retry later.", retry)
+		problem(w, status, problemInUse, "A request with this Idempotency-Key is being processed; retry later.", retry)
 	case errors.Is(err, txn.ErrKeyReused):
-		problem(w, problemReused, "This Idempotency-Key was used with a different request.", 0)
+		problem(w, status, problemReused, "This Idempotency-Key was used with a different request.", 0)
 	case errors.As(err, &reqErr) && reqErr.Err == txn.ErrRequestTooLarge:
-		problem(w, problemTooLarge, "The body is too large: "+reqErr.Reason+".", 0)
+		problem(w, status, problemTooLarge, "The body is too large: "+reqErr.Reason+".", 0)
 	case errors.As(err, &reqErr) && reqErr.Field == "params":
-		problem(w, problemBadRequest, "The body is not acceptable JSON: "+reqErr.Reason+".", 0)
+		problem(w, status, problemBadRequest, "The body is not acceptable JSON: "+reqErr.Reason+".", 0)
 	case errors.As(err, &reqErr):
-		problem(w, problemBadRequest, fmt.Sprintf("The request's %s is invalid: %s.", reqErr.Field, reqErr.Reason), 0)
+		problem(w, status, problemBadRequest, fmt.Sprintf("The request's %s is invalid: %s.", reqErr.Field, reqErr.Reason), 0)
 	case errors.Is(err, txn.ErrConflict), errors.Is(err, txn.ErrLeaseLost):
-		problem(w, problemConflict, "The request conflicted with concurrent work; retry with the same key.", time.Second)
+		problem(w, status, problemConflict, "The request conflicted with concurrent work; retry with the same key.", time.Second)
 	case errors.Is(err, txn.ErrUnknownWorkflow):
 		// Returned before any key was written: the runner logged nothing.
 		m.cfg.Logger.ErrorContext(r.Context(), "idempotent request cannot run: its workflow is not registered with the runner",
 			"method", r.Method, "path", r.URL.Path, "error", err)
-		problem(w, problemInternal, "The server cannot process this request.", 0)
+		problem(w, status, problemInternal, "The server cannot process this request.", 0)
 	case errors.Is(err, txn.ErrInvalidUse):
-		problem(w, problemInternal, "The server cannot process this request.", 0)
+		problem(w, status, problemInternal, "The server cannot process this request.", 0)
 	default:
-		problem(w, problemInternal, "The request could not be completed; retry with the same key.", 0)
+		problem(w, status, problemInternal, "The request could not be completed; retry with the same key.", 0)
 	}
 }
 
@@ -266,11 +269,6 @@ const (
 // "urn:atomicphase:problem:idempotency-key-in-use".
 const ProblemTypePrefix = "urn:atomicphase:problem:"
 
-var problemStatus = map[string]int{
-	problemMissingKey: 400, problemInvalidKey: 400, problemInUse: 409, problemReused: 422,
-	problemTooLarge: 413, problemBadRequest: 400, problemUnauthorized: 401, problemConflict: 409, problemInternal: 500,
-}
-
 var problemTitle = map[string]string{
 	problemMissingKey: "Idempotency-Key is missing", problemInvalidKey: "Idempotency-Key is invalid",
 	problemInUse: "Idempotency-Key is in use", problemReused: "Idempotency-Key was reused",
@@ -279,8 +277,7 @@ var problemTitle = map[string]string{
 }
 
 // problem writes an RFC 9457 problem+json response.
-func problem(w http.ResponseWriter, kind, detail string, retryAfter time.Duration) {
-	status := problemStatus[kind]
+func problem(w http.ResponseWriter, status int, kind, detail string, retryAfter time.Duration) {
 	body, _ := json.Marshal(map[string]any{
 		"type": ProblemTypePrefix + kind, "title": problemTitle[kind], "status": status, "detail": detail,
 	})

@@ -3,6 +3,7 @@ package httpidem_test
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -393,4 +394,47 @@ func TestRetriedHandlerSeesFullBodyAndFreshResponse(t *testing.T) {
 	require.Equal(t, []string{`{"sku":"book"}`, `{"sku":"book"}`}, bodies)
 	require.Equal(t, 200, resp.StatusCode)
 	require.Equal(t, "run 2;", string(got), "the first run's output is gone")
+}
+
+// Every error the runner returns is answered with the status txn.HTTPStatus
+// gives it, so an API that maps errors itself and one behind the middleware
+// answer alike.
+func TestRunnerErrorsAreAnsweredWithTxnsHTTPStatus(t *testing.T) {
+	t.Parallel()
+	runner, err := txn.New(pgtest.Pool(t), nil)
+	require.NoError(t, err)
+	m, err := httpidem.New(runner, &httpidem.Config{
+		Scope:  func(*http.Request) (string, error) { return "u", nil },
+		Logger: slog.New(slog.DiscardHandler),
+	})
+	require.NoError(t, err)
+	wrap := func(err error) error { return fmt.Errorf("txn: run: %w", err) }
+	for _, c := range []struct {
+		err  error
+		kind string
+	}{
+		{&txn.KeyStateError{Err: txn.ErrKeyInUse, Status: txn.KeyRunning, RetryAfter: 3 * time.Second}, "idempotency-key-in-use"},
+		{&txn.KeyStateError{Err: txn.ErrKeyReused, Status: txn.KeyFinished}, "idempotency-key-reused"},
+		{&txn.RequestError{Err: txn.ErrRequestTooLarge, Field: "params", Reason: "2000 bytes"}, "payload-too-large"},
+		{&txn.RequestError{Err: txn.ErrInvalidRequest, Field: "params", Reason: "not JSON"}, "invalid-request"},
+		{&txn.RequestError{Err: txn.ErrInvalidKey, Field: "key", Reason: "empty"}, "invalid-request"},
+		{txn.ErrConflict, "conflict"},
+		{txn.ErrLeaseLost, "conflict"},
+		{txn.ErrUnknownWorkflow, "internal"},
+		{txn.ErrInvalidUse, "internal"},
+		{&txn.PanicError{Value: "boom"}, "internal"},
+		{errors.New("connection refused"), "internal"},
+	} {
+		err := wrap(c.err)
+		rec := httptest.NewRecorder()
+		httpidem.Answer(m, rec, httptest.NewRequest("POST", "/x", nil), err)
+		require.Equal(t, txn.HTTPStatus(err), rec.Code, "%v", err)
+		var body struct {
+			Type   string `json:"type"`
+			Status int    `json:"status"`
+		}
+		require.NoError(t, json.Unmarshal(rec.Body.Bytes(), &body))
+		require.Equal(t, rec.Code, body.Status)
+		require.Equal(t, httpidem.ProblemTypePrefix+c.kind, body.Type, "%v", err)
+	}
 }
