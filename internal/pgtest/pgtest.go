@@ -85,6 +85,11 @@ func Main(m *testing.M, ignore ...goleak.Option) {
 // starting one if needed (see the package documentation).
 func ServerURL(tb testing.TB) string {
 	tb.Helper()
+	return findServerURL(tb)
+}
+
+func findServerURL(tb tbLike) string {
+	tb.Helper()
 	serverOnce.Do(func() { serverURL, teardown, serverErr = findServer() })
 	if serverErr != nil {
 		tb.Fatalf("pgtest: no PostgreSQL for tests: %v", serverErr)
@@ -187,7 +192,23 @@ func (d *DB) ConnString(tb testing.TB) string {
 // returns a pool whose connections use it. Everything is removed at cleanup.
 func New(tb testing.TB) *DB {
 	tb.Helper()
-	url := ServerURL(tb)
+	return newSchema(tb, true)
+}
+
+// Example gives a runnable Example, which has no testing.TB, a schema of its
+// own on the test server, as New does for a test: migrated when migrate is
+// true, else empty (for an example that migrates it). The returned function
+// closes the pool and drops the schema; call it before the example returns.
+// A failure panics, which fails the example.
+func Example(migrate bool) (*DB, func()) {
+	t := &exampleT{}
+	d := newSchema(t, migrate)
+	return d, t.cleanup
+}
+
+func newSchema(tb tbLike, migrate bool) *DB {
+	tb.Helper()
+	url := findServerURL(tb)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 
@@ -215,7 +236,10 @@ func New(tb testing.TB) *DB {
 	})
 
 	d := &DB{Schema: schema, URL: url}
-	d.Pool = d.NewPool(tb, nil)
+	d.Pool = d.newPool(tb, nil)
+	if !migrate {
+		return d
+	}
 	if err := migrations.Up(ctx, d.Pool); err != nil {
 		tb.Fatalf("pgtest: migrate: %v", err)
 	}
@@ -292,6 +316,11 @@ func Pool(tb testing.TB) *pgxpool.Pool {
 // pool is closed at cleanup.
 func (d *DB) NewPool(tb testing.TB, configure func(*pgxpool.Config)) *pgxpool.Pool {
 	tb.Helper()
+	return d.newPool(tb, configure)
+}
+
+func (d *DB) newPool(tb tbLike, configure func(*pgxpool.Config)) *pgxpool.Pool {
+	tb.Helper()
 	cfg, err := pgxpool.ParseConfig(d.URL)
 	if err != nil {
 		tb.Fatalf("pgtest: parse url: %v", err)
@@ -328,4 +357,42 @@ func randomHex(n int) string {
 	b := make([]byte, n)
 	_, _ = rand.Read(b) // never fails: crypto/rand aborts the process instead
 	return hex.EncodeToString(b)
+}
+
+// tbLike is what the helpers need of a testing.TB, so that Example can
+// serve examples, which have none.
+type tbLike interface {
+	Helper()
+	Fatalf(format string, args ...any)
+	Errorf(format string, args ...any)
+	Cleanup(func())
+}
+
+// exampleT is the tbLike of an Example: failures panic, and cleanups run
+// when the example calls cleanup.
+type exampleT struct {
+	mu       sync.Mutex
+	cleanups []func()
+}
+
+func (*exampleT) Helper() {}
+
+func (*exampleT) Fatalf(format string, args ...any) { panic(fmt.Sprintf(format, args...)) }
+
+func (*exampleT) Errorf(format string, args ...any) { panic(fmt.Sprintf(format, args...)) }
+
+func (t *exampleT) Cleanup(f func()) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.cleanups = append(t.cleanups, f)
+}
+
+func (t *exampleT) cleanup() {
+	t.mu.Lock()
+	fs := t.cleanups
+	t.cleanups = nil
+	t.mu.Unlock()
+	for i := len(fs) - 1; i >= 0; i-- {
+		fs[i]()
+	}
 }
