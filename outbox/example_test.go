@@ -4,39 +4,60 @@ import (
 	"context"
 	"fmt"
 	"log"
-	"os"
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/atomicphase/atomicphase/internal/pgtest"
 	"github.com/atomicphase/atomicphase/outbox"
 )
 
 // Stage a message in the transaction that records the order: it is
-// published if and only if the order commits.
+// published if and only if the order commits. A relay then hands it to a
+// publisher, here one in the same process.
 func ExampleEnqueue() {
+	db, done := pgtest.Example(true) // a migrated schema of its own
+	defer done()
 	ctx := context.Background()
-	pool, err := pgxpool.New(ctx, os.Getenv("DATABASE_URL"))
-	if err != nil {
+	if _, err := db.Pool.Exec(ctx, `CREATE TABLE orders (id text PRIMARY KEY, total_cents bigint NOT NULL)`); err != nil {
 		log.Fatal(err)
 	}
-	defer pool.Close()
-
-	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-		if _, err := tx.Exec(ctx, "INSERT INTO orders (id, total_cents) VALUES ($1, $2)", "ord_1", 4200); err != nil {
-			return err
-		}
-		return outbox.Enqueue(ctx, tx, outbox.Message{
-			Topic:       "orders.created",
-			OrderingKey: "order:ord_1", // this order's messages stay in commit order
-			Payload:     []byte(`{"id":"ord_1","total_cents":4200}`),
-			Headers:     map[string]string{"Content-Type": "application/json"},
+	placeOrder := func(id string, cents int64) error {
+		return pgx.BeginFunc(ctx, db.Pool, func(tx pgx.Tx) error {
+			if _, err := tx.Exec(ctx, "INSERT INTO orders (id, total_cents) VALUES ($1, $2)", id, cents); err != nil {
+				return err
+			}
+			return outbox.Enqueue(ctx, tx, outbox.Message{
+				Topic:       "orders.created",
+				OrderingKey: "order:" + id, // this order's messages stay in commit order
+				Payload:     fmt.Appendf(nil, `{"id":%q,"total_cents":%d}`, id, cents),
+				Headers:     map[string]string{"Content-Type": "application/json"},
+			})
 		})
-	})
+	}
+	if err := placeOrder("ord_1", 4200); err != nil {
+		log.Fatal(err)
+	}
+	// The same order again fails on its primary key: the transaction rolls
+	// back, and its message with it.
+	fmt.Println("duplicate order refused:", placeOrder("ord_1", 4200) != nil)
+
+	relay, err := outbox.New(db.Pool, outbox.PublisherFunc(func(ctx context.Context, msg outbox.Envelope) error {
+		fmt.Printf("publish %s %s (attempt %d)\n", msg.Topic, msg.Payload, msg.Attempt)
+		return nil // acknowledged: marked published
+	}), nil)
 	if err != nil {
 		log.Fatal(err)
 	}
+	for range 2 { // a service runs relay.Start(ctx) instead
+		n, err := relay.RunOnce(ctx)
+		fmt.Println("published:", n, err)
+	}
+	// Output:
+	// duplicate order refused: true
+	// publish orders.created {"id":"ord_1","total_cents":4200} (attempt 1)
+	// published: 1 <nil>
+	// published: 0 <nil>
 }
 
 // An in-process publisher, for tests or for handing messages to code in the

@@ -52,6 +52,34 @@ func NATSURL(t *testing.T) string {
 	return s.ClientURL()
 }
 
+// ExampleNATS starts an in-process JetStream server for a runnable Example,
+// which has no testing.T, and returns its URL and a function that shuts it
+// down and removes its files. It ignores TEST_NATS_URL, so that the example
+// owns every stream name. A failure panics, which fails the example.
+func ExampleNATS() (url string, stop func()) {
+	dir, err := os.MkdirTemp("", "outboxtest-nats")
+	if err != nil {
+		panic(err)
+	}
+	s, err := server.NewServer(&server.Options{
+		Host: "127.0.0.1", Port: server.RANDOM_PORT, JetStream: true, StoreDir: dir, NoLog: true, NoSigs: true,
+	})
+	if err != nil {
+		panic(err)
+	}
+	s.Start()
+	stop = func() {
+		s.Shutdown()
+		s.WaitForShutdown()
+		_ = os.RemoveAll(dir)
+	}
+	if !s.ReadyForConnections(10 * time.Second) {
+		stop()
+		panic("in-process NATS server did not start")
+	}
+	return s.ClientURL(), stop
+}
+
 // Conn connects to url; the connection is closed at cleanup.
 func Conn(t *testing.T, url string) jetstream.JetStream {
 	t.Helper()

@@ -1,6 +1,7 @@
 package webhook_test
 
 import (
+	"context"
 	"crypto/hmac"
 	"crypto/sha256"
 	"encoding/base64"
@@ -8,25 +9,55 @@ import (
 	"io"
 	"log"
 	"net/http"
+	"net/http/httptest"
 	"os"
 	"strconv"
 	"strings"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+
+	"github.com/atomicphase/atomicphase/internal/pgtest"
+	"github.com/atomicphase/atomicphase/outbox"
 	"github.com/atomicphase/atomicphase/outbox/webhook"
 )
 
-// Deliver to a partner's HTTPS endpoint, signed with a shared secret
-// ("whsec_..."; webhook.NewSecret makes one).
+// Deliver each outbox message to a partner's endpoint as a signed POST. The
+// partner here is a test server that checks the signature with Verify.
 func ExampleNew() {
-	pub, err := webhook.New(webhook.Config{
-		URL:     "https://partner.example/hooks/orders",
-		Secrets: []string{os.Getenv("WEBHOOK_SECRET")},
-	})
+	db, done := pgtest.Example(true) // a migrated schema of its own
+	defer done()
+	ctx := context.Background()
+	secret := webhook.NewSecret() // "whsec_...", shared with the partner
+	partner := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		body, _ := io.ReadAll(r.Body)
+		if err := webhook.Verify(r.Header, body, time.Now(), secret); err != nil {
+			http.Error(w, "bad signature", http.StatusUnauthorized)
+			return
+		}
+		fmt.Printf("partner got %s %s\n", r.Header.Get(webhook.HeaderWebhookTopic), body)
+		w.WriteHeader(http.StatusNoContent)
+	}))
+	defer partner.Close()
+
+	pub, err := webhook.New(webhook.Config{URL: partner.URL + "/hooks/orders", Secrets: []string{secret}})
 	if err != nil {
 		log.Fatal(err)
 	}
-	_ = pub // pass to outbox.New
+	relay, err := outbox.New(db.Pool, pub, nil) // a service runs relay.Start(ctx)
+	if err != nil {
+		log.Fatal(err)
+	}
+	if err := pgx.BeginFunc(ctx, db.Pool, func(tx pgx.Tx) error {
+		return outbox.Enqueue(ctx, tx, outbox.Message{Topic: "orders.created", Payload: []byte(`{"id":"ord_1"}`)})
+	}); err != nil {
+		log.Fatal(err)
+	}
+	n, err := relay.RunOnce(ctx)
+	fmt.Println("published:", n, err)
+	// Output:
+	// partner got orders.created {"id":"ord_1"}
+	// published: 1 <nil>
 }
 
 // A receiver checks the signature over the raw body before trusting the
