@@ -13,5 +13,7 @@
 // CLI. An applied file is never edited: changes come as new files. A Down
 // that would delete data calls atomicphase_refuse_data_loss (migration
 // 00003) first, so it refuses unless the operator opted in
-// (atomicphase.allow_data_loss = on, or [AllowDataLoss]).
+// (atomicphase.allow_data_loss = on, or [AllowDataLoss]). The opt-in value
+// that every guarded Down accepts is on: 00004, written before the guard,
+// checks for exactly that.
 package migrations

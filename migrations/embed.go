@@ -73,7 +73,10 @@ func AllowDataLoss() DownOption {
 // DownTo rolls the schema back to version (0 removes every table), in one
 // transaction. A rollback that would delete rows is refused with
 // [ErrDataLossRefused] unless [AllowDataLoss] is given; rolling back empty
-// tables needs no option. Rolling back is meant for development and tests,
+// tables needs no option. (Rolling back 00004 while keys hold exact params
+// or results is refused too, with an error that names
+// atomicphase.allow_data_loss but does not match ErrDataLossRefused: that
+// file predates the guard and is never edited.) Rolling back is meant for development and tests,
 // and for undoing a failed deploy before any traffic.
 func DownTo(ctx context.Context, pool *pgxpool.Pool, version int64, opts ...DownOption) error {
 	if pool == nil {

@@ -52,6 +52,12 @@ func TestLosslessColumnsDownRefusesToLoseDataWithoutOptIn(t *testing.T) {
 	require.NoError(t, d.Pool.QueryRow(ctx, `SELECT request_params_raw FROM idempotency_keys`).Scan(&raw))
 	require.Equal(t, `{"amount":1E+2}`, string(raw), "nothing was lost")
 
+	// 00004 predates the guard: of the values the guard accepts, only "on"
+	// opts in here, which is why the documentation names that one.
+	notOn := d.NewPool(t, func(c *pgxpool.Config) { c.ConnConfig.RuntimeParams["atomicphase.allow_data_loss"] = "true" })
+	require.ErrorContains(t, migrations.DownTo(ctx, notOn, 3), "atomicphase.allow_data_loss")
+	require.NotErrorIs(t, migrations.DownTo(ctx, d.Pool, 3), migrations.ErrDataLossRefused, "no AP001 from 00004")
+
 	optIn := d.NewPool(t, func(c *pgxpool.Config) { c.ConnConfig.RuntimeParams["atomicphase.allow_data_loss"] = "on" })
 	require.NoError(t, migrations.DownTo(ctx, optIn, 3))
 	var params, results string
