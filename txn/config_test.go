@@ -1,7 +1,6 @@
 package txn_test
 
 import (
-	"context"
 	"log/slog"
 	"testing"
 	"time"
@@ -13,7 +12,7 @@ import (
 	"github.com/atomicphase/atomicphase/txn"
 )
 
-func TestConfigAndRegistryValidation(t *testing.T) {
+func TestNewRejectsInvalidConfig(t *testing.T) {
 	t.Parallel()
 	_, err := txn.New(nil, nil)
 	require.ErrorIs(t, err, txn.ErrInvalidConfig)
@@ -22,15 +21,6 @@ func TestConfigAndRegistryValidation(t *testing.T) {
 	require.ErrorIs(t, err, txn.ErrInvalidConfig)
 	_, err = txn.New(e.Pool, &txn.Config{LeaseDuration: time.Millisecond})
 	require.ErrorIs(t, err, txn.ErrInvalidConfig)
-
-	reg := txn.NewRegistry()
-	noop := func(context.Context, *txn.Attempt) (txn.Response, error) { return txn.Response{Status: 200}, nil }
-	require.ErrorIs(t, reg.Register(nil), txn.ErrInvalidUse)
-	require.ErrorIs(t, reg.Register(txn.NewWorkflow("", noop)), txn.ErrInvalidUse)
-	require.ErrorIs(t, reg.Register(txn.NewWorkflow("x", nil)), txn.ErrInvalidUse)
-	require.NoError(t, reg.Register(txn.NewWorkflow("x", noop)))
-	require.ErrorIs(t, reg.Register(txn.NewWorkflow("x", noop)), txn.ErrInvalidUse, "duplicate name")
-	require.Equal(t, []string{"x"}, reg.Names())
 }
 
 func TestMaxAgeMustStayUnderTheProvidersWindow(t *testing.T) {
