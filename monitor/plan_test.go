@@ -7,7 +7,9 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
+	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -41,8 +43,8 @@ func (r *sqlRecorder) last() (string, []any) {
 	return r.sql, r.args
 }
 
-// Every query behind the gauges, the status page and the admin command
-// reads partial (or unique) indexes, never a whole table, on
+// Every query behind the gauges, the status page, the admin command and
+// Redrive reads partial (or unique) indexes, never a whole table, on
 // tables holding 100,000 published messages and 100,000 finished keys
 // beside a handful of rows that matter. The plans are logged (go test -v
 // -run PartialIndexes ./monitor). The Snapshot statement's, on PostgreSQL
@@ -116,6 +118,14 @@ func TestOperatorQueriesReadPartialIndexesNotTables(t *testing.T) {
 				ResponseStatus: 500, ResponseHeaders: "{}", ResponseBody: []byte("{}"), FailureReason: "operator"})
 			return ignoreNoRows(err)
 		}, []string{"any of", "idempotency_keys_scope_key_uniq", "idempotency_keys_running_created_at_idx"}},
+		{"RedriveMessages", func() error {
+			_, err := q.RedriveMessages(ctx, db.RedriveMessagesParams{RowIds: []int64{-1}, MessageIds: []uuid.UUID{uuid.New()}})
+			return err
+		}, []string{"outbox_messages_dead_idx"}},
+		{"RedriveDeadBatch", func() error {
+			_, err := q.RedriveDeadBatch(ctx, db.RedriveDeadBatchParams{DeadBefore: time.Now().Add(-24 * time.Hour), Topic: "receipts", BatchSize: 1000})
+			return err
+		}, []string{"outbox_messages_dead_idx"}},
 	} {
 		require.NoError(t, c.run(), c.name)
 		sql, args := rec.last()

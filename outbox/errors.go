@@ -49,6 +49,14 @@ var (
 	// receiver rejected the message). The relay dead-letters such a message
 	// at once instead of retrying it. Wrap an error with [Permanent].
 	ErrPermanent = errors.New("outbox: permanent publish failure")
+
+	// ErrInvalidRedrive: Redrive was given no pool, or a selection that
+	// names nothing or mixes All with ids. Nothing changed.
+	ErrInvalidRedrive = errors.New("outbox: invalid redrive selection")
+
+	// ErrNotDeadLettered: Redrive was given an id that is not a dead letter
+	// (pending, published, deleted, or unknown). Nothing changed.
+	ErrNotDeadLettered = errors.New("outbox: not dead-lettered")
 )
 
 // Permanent wraps err so that errors.Is(result, ErrPermanent) holds, telling

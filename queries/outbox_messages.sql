@@ -132,3 +132,58 @@ WHERE published_at IS NULL AND dead_at IS NULL;
 SELECT coalesce(extract(epoch FROM min(available_at) - now()), -1)::float8 AS due_in_seconds
 FROM outbox_messages
 WHERE published_at IS NULL AND dead_at IS NULL AND available_at > now();
+
+-- name: RedriveMessages :many
+-- Returns the given dead-lettered messages, by row id or message id, to
+-- pending: dead_at cleared, attempts reset to 0, due now (by the database
+-- clock). last_error is kept until the next attempt overwrites it. Returns
+-- each message redriven with what it was before. Rows that are not dead
+-- letters (pending, published, deleted, unknown) are left alone and not
+-- returned. Dead rows are found through outbox_messages_dead_idx.
+WITH picked AS MATERIALIZED (
+    SELECT id, attempts, dead_at, last_error
+    FROM outbox_messages
+    WHERE dead_at IS NOT NULL
+      AND (id = ANY(@row_ids::bigint[]) OR message_id = ANY(@message_ids::uuid[]))
+    ORDER BY id
+    FOR UPDATE
+)
+UPDATE outbox_messages AS m
+SET dead_at = NULL, attempts = 0, available_at = now()
+FROM picked AS p
+WHERE m.id = p.id
+RETURNING m.id, m.message_id, m.topic, coalesce(m.ordering_key, '')::text AS ordering_key,
+          p.attempts AS previous_attempts, p.dead_at::timestamptz AS dead_at,
+          coalesce(p.last_error, '')::text AS last_error;
+
+-- name: RedriveDeadBatch :many
+-- Like RedriveMessages, for up to batch_size of the messages of one topic
+-- (or of every topic, topic '') dead-lettered at or before dead_before,
+-- oldest first. The bound keeps a message that dies again meanwhile from
+-- being redriven twice by one call.
+WITH picked AS MATERIALIZED (
+    SELECT id, attempts, dead_at, last_error
+    FROM outbox_messages
+    WHERE dead_at IS NOT NULL
+      AND dead_at <= @dead_before::timestamptz
+      AND (@topic::text = '' OR topic = @topic::text)
+    ORDER BY dead_at, id
+    LIMIT @batch_size::integer
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE outbox_messages AS m
+SET dead_at = NULL, attempts = 0, available_at = now()
+FROM picked AS p
+WHERE m.id = p.id
+RETURNING m.id, m.message_id, m.topic, coalesce(m.ordering_key, '')::text AS ordering_key,
+          p.attempts AS previous_attempts, p.dead_at::timestamptz AS dead_at,
+          coalesce(p.last_error, '')::text AS last_error;
+
+-- name: DatabaseNow :one
+-- The database clock.
+SELECT now()::timestamptz AS now;
+
+-- name: NotifyRelays :exec
+-- Wakes the relays listening for this schema's messages, at commit, as
+-- EnqueueMessages does.
+SELECT pg_notify(@channel::text, coalesce(current_schema(), ''));

@@ -106,6 +106,18 @@ func (q *Queries) ClaimMessages(ctx context.Context, batchSize int32) ([]ClaimMe
 	return items, nil
 }
 
+const databaseNow = `-- name: DatabaseNow :one
+SELECT now()::timestamptz AS now
+`
+
+// The database clock.
+func (q *Queries) DatabaseNow(ctx context.Context) (time.Time, error) {
+	row := q.db.QueryRow(ctx, databaseNow)
+	var now time.Time
+	err := row.Scan(&now)
+	return now, err
+}
+
 const enqueueMessages = `-- name: EnqueueMessages :exec
 WITH locks AS MATERIALIZED (
     SELECT pg_advisory_xact_lock(s.lock_id)
@@ -204,6 +216,17 @@ func (q *Queries) NextDueIn(ctx context.Context) (float64, error) {
 	return due_in_seconds, err
 }
 
+const notifyRelays = `-- name: NotifyRelays :exec
+SELECT pg_notify($1::text, coalesce(current_schema(), ''))
+`
+
+// Wakes the relays listening for this schema's messages, at commit, as
+// EnqueueMessages does.
+func (q *Queries) NotifyRelays(ctx context.Context, channel string) error {
+	_, err := q.db.Exec(ctx, notifyRelays, channel)
+	return err
+}
+
 const oldestPendingAge = `-- name: OldestPendingAge :one
 SELECT coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8 AS age_seconds
 FROM outbox_messages
@@ -253,4 +276,139 @@ func (q *Queries) RecordFailures(ctx context.Context, arg RecordFailuresParams) 
 		arg.Dead,
 	)
 	return err
+}
+
+const redriveDeadBatch = `-- name: RedriveDeadBatch :many
+WITH picked AS MATERIALIZED (
+    SELECT id, attempts, dead_at, last_error
+    FROM outbox_messages
+    WHERE dead_at IS NOT NULL
+      AND dead_at <= $1::timestamptz
+      AND ($2::text = '' OR topic = $2::text)
+    ORDER BY dead_at, id
+    LIMIT $3::integer
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE outbox_messages AS m
+SET dead_at = NULL, attempts = 0, available_at = now()
+FROM picked AS p
+WHERE m.id = p.id
+RETURNING m.id, m.message_id, m.topic, coalesce(m.ordering_key, '')::text AS ordering_key,
+          p.attempts AS previous_attempts, p.dead_at::timestamptz AS dead_at,
+          coalesce(p.last_error, '')::text AS last_error
+`
+
+type RedriveDeadBatchParams struct {
+	DeadBefore time.Time
+	Topic      string
+	BatchSize  int32
+}
+
+type RedriveDeadBatchRow struct {
+	ID               int64
+	MessageID        uuid.NullUUID
+	Topic            string
+	OrderingKey      string
+	PreviousAttempts int32
+	DeadAt           time.Time
+	LastError        string
+}
+
+// Like RedriveMessages, for up to batch_size of the messages of one topic
+// (or of every topic, topic ”) dead-lettered at or before dead_before,
+// oldest first. The bound keeps a message that dies again meanwhile from
+// being redriven twice by one call.
+func (q *Queries) RedriveDeadBatch(ctx context.Context, arg RedriveDeadBatchParams) ([]RedriveDeadBatchRow, error) {
+	rows, err := q.db.Query(ctx, redriveDeadBatch, arg.DeadBefore, arg.Topic, arg.BatchSize)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	items := []RedriveDeadBatchRow{}
+	for rows.Next() {
+		var i RedriveDeadBatchRow
+		if err := rows.Scan(
+			&i.ID,
+			&i.MessageID,
+			&i.Topic,
+			&i.OrderingKey,
+			&i.PreviousAttempts,
+			&i.DeadAt,
+			&i.LastError,
+		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
+const redriveMessages = `-- name: RedriveMessages :many
+WITH picked AS MATERIALIZED (
+    SELECT id, attempts, dead_at, last_error
+    FROM outbox_messages
+    WHERE dead_at IS NOT NULL
+      AND (id = ANY($1::bigint[]) OR message_id = ANY($2::uuid[]))
+    ORDER BY id
+    FOR UPDATE
+)
+UPDATE outbox_messages AS m
+SET dead_at = NULL, attempts = 0, available_at = now()
+FROM picked AS p
+WHERE m.id = p.id
+RETURNING m.id, m.message_id, m.topic, coalesce(m.ordering_key, '')::text AS ordering_key,
+          p.attempts AS previous_attempts, p.dead_at::timestamptz AS dead_at,
+          coalesce(p.last_error, '')::text AS last_error
+`
+
+type RedriveMessagesParams struct {
+	RowIds     []int64
+	MessageIds []uuid.UUID
+}
+
+type RedriveMessagesRow struct {
+	ID               int64
+	MessageID        uuid.NullUUID
+	Topic            string
+	OrderingKey      string
+	PreviousAttempts int32
+	DeadAt           time.Time
+	LastError        string
+}
+
+// Returns the given dead-lettered messages, by row id or message id, to
+// pending: dead_at cleared, attempts reset to 0, due now (by the database
+// clock). last_error is kept until the next attempt overwrites it. Returns
+// each message redriven with what it was before. Rows that are not dead
+// letters (pending, published, deleted, unknown) are left alone and not
+// returned. Dead rows are found through outbox_messages_dead_idx.
+func (q *Queries) RedriveMessages(ctx context.Context, arg RedriveMessagesParams) ([]RedriveMessagesRow, error) {
+	rows, err := q.db.Query(ctx, redriveMessages, arg.RowIds, arg.MessageIds)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	items := []RedriveMessagesRow{}
+	for rows.Next() {
+		var i RedriveMessagesRow
+		if err := rows.Scan(
+			&i.ID,
+			&i.MessageID,
+			&i.Topic,
+			&i.OrderingKey,
+			&i.PreviousAttempts,
+			&i.DeadAt,
+			&i.LastError,
+		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
 }
