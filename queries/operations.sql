@@ -153,3 +153,8 @@ WHERE scope = @scope AND key = @key
   AND status = 'running'
   AND (lease_token IS NULL OR leased_until <= now())
 RETURNING id, finished_at;
+
+-- name: DatabaseIdentity :one
+-- Which database and schema a status page or a command is looking at.
+SELECT current_database()::text AS database, coalesce(current_schema(), '')::text AS schema,
+       now()::timestamptz AS now;

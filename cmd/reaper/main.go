@@ -10,13 +10,16 @@ import (
 	"os"
 	"os/signal"
 	"strconv"
+	"sync"
 	"syscall"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/atomicphase/atomicphase/cleanup"
+	"github.com/atomicphase/atomicphase/internal/telemetry"
 	"github.com/atomicphase/atomicphase/migrations"
+	"github.com/atomicphase/atomicphase/monitor"
 	"github.com/atomicphase/atomicphase/recovery"
 	"github.com/atomicphase/atomicphase/txn"
 )
@@ -50,6 +53,7 @@ type options struct {
 	interval             time.Duration
 	dryRun               bool
 	logLevel             slog.Level
+	httpAddr             string
 }
 
 // run is the whole command, minus signal handling: it returns the exit code.
@@ -115,7 +119,18 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return exitFailure
 	}
 
-	r := &reaper{log: log, resumer: resumer, cleaner: cleaner, dryRun: opts.dryRun}
+	r := &reaper{log: log, resumer: resumer, cleaner: cleaner, dryRun: opts.dryRun,
+		pool: pool, stalledAfter: opts.resumeDelay, interval: opts.interval,
+		recoveryMetrics: telemetry.NewRecovery(nil), cleanupMetrics: telemetry.NewCleanup(nil)}
+	if opts.httpAddr != "" {
+		srv, err := startHTTP(opts.httpAddr, pool, r, log)
+		if err != nil {
+			log.Error("reaper: cannot serve http", "addr", opts.httpAddr, "error", err.Error())
+			return exitFailure
+		}
+		defer srv.stop()
+		log.Info("reaper http listening", "addr", srv.address)
+	}
 	if opts.once {
 		if err := r.round(ctx); err != nil {
 			return exitFailure
@@ -157,6 +172,36 @@ type reaper struct {
 	resumer *recovery.Resumer
 	cleaner *cleanup.Cleaner
 	dryRun  bool
+
+	pool         *pgxpool.Pool
+	stalledAfter time.Duration // the Resumer's ResumeDelay
+	interval     time.Duration // 0 with -once
+	// The rounds' counts, as metrics (exported with -http).
+	recoveryMetrics *telemetry.Recovery
+	cleanupMetrics  *telemetry.Cleanup
+
+	mu   sync.Mutex
+	last *roundResult // the last round that finished, for the status page
+}
+
+// roundResult is what the status page says about the last round.
+type roundResult struct {
+	At       time.Time
+	Duration time.Duration
+	DryRun   bool
+	Recovery recovery.Report
+	Cleanup  cleanup.Report
+	Error    string
+}
+
+// Ago is how long ago the round ended.
+func (r *roundResult) Ago() time.Duration { return time.Since(r.At) }
+
+// lastRound returns the last round that finished, or nil.
+func (r *reaper) lastRound() *roundResult {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.last
 }
 
 // round runs recovery, then cleanup, and logs one summary line. It returns
@@ -180,6 +225,15 @@ func (r *reaper) round(ctx context.Context) error {
 			cln, cleanErr = r.cleaner.RunOnce(ctx)
 		}
 	}
+	// The outbox backlog, read after the round, for the summary line.
+	var backlog monitor.Snapshot
+	var backlogErr error
+	if ctx.Err() == nil {
+		backlog, backlogErr = monitor.Read(ctx, r.pool, &monitor.Config{StalledAfter: r.stalledAfter})
+	}
+	if !r.dryRun {
+		r.record(rec, cln)
+	}
 	attrs := []any{
 		"dry_run", r.dryRun,
 		"resumed", rec.Resumed,
@@ -192,19 +246,40 @@ func (r *reaper) round(ctx context.Context) error {
 		"outbox_deleted", cln.OutboxDeleted,
 		"delete_batches", cln.Batches,
 		"cleanup_skipped", cln.Skipped,
+		"outbox_pending", backlog.OutboxPending,
+		"outbox_oldest_pending_age", backlog.OldestPendingAge,
 		"duration_ms", time.Since(began).Milliseconds(),
 	}
 	if ctx.Err() != nil {
 		r.log.Info(operation, append(attrs, "stopped", true)...)
 		return nil
 	}
-	err := errors.Join(recErr, cleanErr)
+	err := errors.Join(recErr, cleanErr, backlogErr)
+	result := &roundResult{At: time.Now(), Duration: time.Since(began), DryRun: r.dryRun, Recovery: rec, Cleanup: cln}
+	if err != nil {
+		result.Error = err.Error()
+	}
+	r.mu.Lock()
+	r.last = result
+	r.mu.Unlock()
 	if err != nil {
 		r.log.Error(operation, append(attrs, "error", err.Error())...)
 		return err
 	}
 	r.log.Info(operation, attrs...)
 	return nil
+}
+
+// record adds a round's counts to the metrics. Every series is added to,
+// zeros included, so that each exists from the first round on.
+func (r *reaper) record(rec recovery.Report, cln cleanup.Report) {
+	ctx := context.Background()
+	r.recoveryMetrics.Resumed(ctx, rec.Resumed)
+	r.recoveryMetrics.FailedStalled(ctx, recovery.ReasonUnknownWorkflow, rec.FailedUnknownWorkflow)
+	r.recoveryMetrics.FailedStalled(ctx, recovery.ReasonMaxAttempts, rec.FailedMaxAttempts)
+	r.recoveryMetrics.FailedStalled(ctx, recovery.ReasonMaxAge, rec.FailedMaxAge)
+	r.cleanupMetrics.Deleted(ctx, cln.KeysDeleted, cln.OutboxDeleted)
+	r.cleanupMetrics.Round(ctx, cln.Skipped)
 }
 
 // parseArgs parses the command line, with environment variables as the
@@ -232,6 +307,8 @@ func parseArgs(args []string, stdout io.Writer) (options, error) {
 		fmt.Sprintf("most rows changed by one transaction (at most %d)", min(recovery.BatchSizeMax, cleanup.BatchSizeMax)))
 	e.levelVar(&o.logLevel, "log-level", "REAPER_LOG_LEVEL", slog.LevelInfo,
 		"log level: debug, info, warn or error")
+	e.stringVar(&o.httpAddr, "http", "REAPER_HTTP", "",
+		"with -interval, serve /metrics (Prometheus), /healthz and a status page on this address, e.g. :9090")
 	fs.BoolVar(&o.once, "once", false, "run one round and exit (for cron)")
 	fs.DurationVar(&o.interval, "interval", 0, "run a round every interval until SIGTERM or SIGINT (as a daemon)")
 	fs.BoolVar(&o.dryRun, "dry-run", false, "report what a round would resume, fail and delete; change nothing")
@@ -259,6 +336,8 @@ func parseArgs(args []string, stdout io.Writer) (options, error) {
 		return o, fmt.Errorf("%w: -interval must be positive", errUsage)
 	case o.databaseURL == "":
 		return o, fmt.Errorf("%w: no database: set -database-url or DATABASE_URL", errUsage)
+	case o.httpAddr != "" && o.once:
+		return o, fmt.Errorf("%w: -http serves while the reaper runs: use it with -interval", errUsage)
 	}
 	return o, nil
 }
@@ -269,6 +348,10 @@ Resumes or fails stalled idempotency keys and deletes expired keys and
 outbox messages. This generic binary has no workflows registered: it fails
 stalled keys older than -unknown-workflow-delay and leaves younger ones to
 the services that run their own recovery.Resumer.
+
+With -interval and -http ADDR it also serves /metrics (Prometheus),
+/healthz (database reachable, schema current) and a read-only status page
+at / on ADDR.
 
 Exit status: 0 ok (also when stopped by SIGTERM or SIGINT), 1 failure,
 2 usage error.

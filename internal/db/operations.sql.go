@@ -29,6 +29,25 @@ func (q *Queries) CountDeadLetters(ctx context.Context, topic string) (int64, er
 	return dead, err
 }
 
+const databaseIdentity = `-- name: DatabaseIdentity :one
+SELECT current_database()::text AS database, coalesce(current_schema(), '')::text AS schema,
+       now()::timestamptz AS now
+`
+
+type DatabaseIdentityRow struct {
+	Database string
+	Schema   string
+	Now      time.Time
+}
+
+// Which database and schema a status page or a command is looking at.
+func (q *Queries) DatabaseIdentity(ctx context.Context) (DatabaseIdentityRow, error) {
+	row := q.db.QueryRow(ctx, databaseIdentity)
+	var i DatabaseIdentityRow
+	err := row.Scan(&i.Database, &i.Schema, &i.Now)
+	return i, err
+}
+
 const failKeyByOperator = `-- name: FailKeyByOperator :one
 UPDATE idempotency_keys
 SET status = 'failed',
