@@ -18,6 +18,10 @@ const (
 	ReasonUnknownWorkflow = "unknown_workflow"
 	ReasonMaxAttempts     = "max_attempts"
 	ReasonMaxAge          = "max_age"
+	// ReasonOperator: an operator failed the key (atomicphase keys fail).
+	// The stored failure_reason is "operator: " and the operator's words;
+	// the response carries only this reason.
+	ReasonOperator = "operator"
 )
 
 // Status is the HTTP status stored for a failed key.
