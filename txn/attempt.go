@@ -19,6 +19,7 @@ import (
 	"github.com/atomicphase/atomicphase/internal/db"
 	"github.com/atomicphase/atomicphase/internal/failure"
 	"github.com/atomicphase/atomicphase/internal/phasectx"
+	"github.com/atomicphase/atomicphase/internal/txnhook"
 )
 
 // Attempt is one run of a workflow under a key: the first attempt, a client
@@ -165,11 +166,15 @@ func Atomic[T any](ctx context.Context, a *Attempt, name string, fn func(ctx con
 			return fmt.Errorf("%w: encode result: %w", ErrInvalidUse, err)
 		}
 		tid, err = a.commitPhase(ctx, a.r.q.WithTx(tx), name, raw)
+		if err == nil {
+			a.at(txnhook.BeforeCommit, txnhook.CommitPhase, name, "")
+		}
 		return utx.explain(err)
 	})
 	if err != nil {
 		return zero, fmt.Errorf("txn: phase %q: %w", name, err)
 	}
+	a.at(txnhook.AfterCommit, txnhook.CommitPhase, name, "")
 	a.tid = tid // only now: a rolled-back try leaves the row where it was
 	return recordResult[T](a, name, raw)
 }
@@ -225,19 +230,23 @@ func Foreign[T any](ctx context.Context, a *Attempt, name string, fn func(ctx co
 	a.tid = tid
 	a.called = true
 	fk := a.ForeignKey(name)
+	a.at(txnhook.BeforeCall, 0, name, fk)
 	v, err := guard(func() (T, error) { return fn(ctx, fk) })
 	if err != nil {
 		return zero, err
 	}
+	a.at(txnhook.AfterCall, 0, name, fk)
 	raw, err := json.Marshal(v)
 	if err != nil {
 		return zero, fmt.Errorf("txn: phase %q: %w: encode result: %w", name, ErrInvalidUse, err)
 	}
 	// One UPDATE in its own transaction records the result, fenced.
+	a.at(txnhook.BeforeCommit, txnhook.CommitPhase, name, "")
 	tid, err = a.commitPhase(ctx, a.r.q, name, raw)
 	if err != nil {
 		return zero, fmt.Errorf("txn: phase %q: %w", name, err)
 	}
+	a.at(txnhook.AfterCommit, txnhook.CommitPhase, name, "")
 	a.tid = tid
 	return recordResult[T](a, name, raw)
 }
@@ -341,13 +350,18 @@ func (a *Attempt) Finish(ctx context.Context, fn Func) (Response, error) {
 		if stored = a.r.cfg.Store(resp.Status) || !a.unstarted(); !stored {
 			return errNotStored // rolls fn's writes back
 		}
-		return utx.explain(a.store(ctx, a.r.q.WithTx(tx), resp, pointFinished))
+		err = a.store(ctx, a.r.q.WithTx(tx), resp, pointFinished)
+		if err == nil {
+			a.at(txnhook.BeforeCommit, txnhook.CommitResponse, "", "")
+		}
+		return utx.explain(err)
 	})
 	if err != nil && !(errors.Is(err, errNotStored) && !stored) {
 		return Response{}, fmt.Errorf("txn: finish: %w", err)
 	}
 	resp.Replayed = false
 	if stored {
+		a.at(txnhook.AfterCommit, txnhook.CommitResponse, "", "")
 		a.finished = &resp
 		a.point = pointFinished
 	}

@@ -18,6 +18,7 @@ import (
 	"github.com/atomicphase/atomicphase/internal/failure"
 	"github.com/atomicphase/atomicphase/internal/pgerr"
 	"github.com/atomicphase/atomicphase/internal/txnbridge"
+	"github.com/atomicphase/atomicphase/internal/txnhook"
 )
 
 // Stats counts what a Runner did since it was created. A high Replayed or
@@ -46,6 +47,7 @@ type Runner struct {
 
 	maxAgeBody []byte         // the problem body stored for a key failed past MaxAge
 	retry      backoff.Policy // the wait before a phase's retry
+	hook       txnhook.Func   // the test kit's, else nil (see hook.go)
 }
 
 // New returns a Runner using pool. cfg may be nil. Invalid values give an

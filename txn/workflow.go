@@ -15,6 +15,7 @@ import (
 	"github.com/atomicphase/atomicphase/internal/failure"
 	"github.com/atomicphase/atomicphase/internal/pgerr"
 	"github.com/atomicphase/atomicphase/internal/txnbridge"
+	"github.com/atomicphase/atomicphase/internal/txnhook"
 )
 
 // RunWorkflow runs wf under key. A new key is inserted holding a lease; a
@@ -71,6 +72,7 @@ func (r *Runner) acquire(ctx context.Context, req request, workflow string) (*At
 	if errors.Is(err, pgx.ErrNoRows) {
 		token := uuid.New()
 		var ins db.InsertKeyRow
+		r.at(txnhook.BeforeCommit, txnhook.CommitKey, "", 1, "")
 		ins, err = r.q.InsertKey(ctx, db.InsertKeyParams{
 			Scope: req.key.Scope, Key: req.key.Value, Fingerprint: req.fingerprint,
 			RequestMethod: req.key.Method, RequestPath: req.key.Path, RequestParams: req.params,
@@ -91,6 +93,7 @@ func (r *Runner) acquire(ctx context.Context, req request, workflow string) (*At
 			}
 			return nil, Response{}, fmt.Errorf("insert key: %w", err)
 		default:
+			r.at(txnhook.AfterCommit, txnhook.CommitKey, "", 1, "")
 			return r.newAttempt(req, workflow, ins.ID, ins.Ctid, token, 1, pointStarted, nil, nil)
 		}
 	}
@@ -241,8 +244,11 @@ func (r *Runner) execute(ctx context.Context, a *Attempt, wf *Workflow) (Respons
 	} else if err == nil {
 		// A terminal response returned without Finish (e.g. 402 after a
 		// declined charge): store it, fenced, where the workflow stopped.
+		a.at(txnhook.BeforeCommit, txnhook.CommitResponse, a.point, "")
 		if err = a.store(ctx, r.q, resp, a.point); err != nil {
 			err = fmt.Errorf("txn: run workflow %q: %w", wf.name, err)
+		} else {
+			a.at(txnhook.AfterCommit, txnhook.CommitResponse, a.point, "")
 		}
 	}
 	if err != nil {
