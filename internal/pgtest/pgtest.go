@@ -65,9 +65,7 @@ func Main(m *testing.M, ignore ...goleak.Option) {
 		atExit[i]()
 	}
 	atExitMu.Unlock()
-	if teardown != nil {
-		teardown()
-	}
+	StopServer()
 	if code == 0 {
 		opts := append([]goleak.Option{
 			// Started by database/sql's connector inside goose; it ends with the process.
@@ -79,6 +77,16 @@ func Main(m *testing.M, ignore ...goleak.Option) {
 		}
 	}
 	os.Exit(code)
+}
+
+// StopServer stops the server this binary started (a container or a local
+// cluster), if any; Main calls it after the tests. Nothing may use the
+// server afterwards.
+func StopServer() {
+	if teardown != nil {
+		teardown()
+		teardown = nil
+	}
 }
 
 // ServerURL returns the connection string of the shared test server,
