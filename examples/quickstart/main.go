@@ -56,9 +56,7 @@ func run(ctx context.Context, out io.Writer) error {
 	if err := migrations.Up(ctx, pool); err != nil {
 		return err
 	}
-	if _, err := pool.Exec(ctx, `CREATE TABLE IF NOT EXISTS quickstart_charges (
-		id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-		idempotency_key text NOT NULL, what text NOT NULL, amount_cents bigint NOT NULL)`); err != nil {
+	if _, err := pool.Exec(ctx, chargesTable); err != nil {
 		return err
 	}
 
@@ -163,6 +161,11 @@ func run(ctx context.Context, out io.Writer) error {
 	fmt.Fprintln(out, "\nOK: every operation executed exactly once.")
 	return nil
 }
+
+// chargesTable creates the table both demonstrations write to.
+const chargesTable = `CREATE TABLE IF NOT EXISTS quickstart_charges (
+	id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+	idempotency_key text NOT NULL, what text NOT NULL, amount_cents bigint NOT NULL)`
 
 type rideFlow struct {
 	wf                     *txn.Workflow
