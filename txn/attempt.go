@@ -232,10 +232,10 @@ func Foreign[T any](ctx context.Context, a *Attempt, name string, fn func(ctx co
 	fk := a.ForeignKey(name)
 	a.at(txnhook.BeforeCall, 0, name, fk)
 	v, err := guard(func() (T, error) { return fn(ctx, fk) })
+	a.at(txnhook.AfterCall, 0, name, fk)
 	if err != nil {
 		return zero, err
 	}
-	a.at(txnhook.AfterCall, 0, name, fk)
 	raw, err := json.Marshal(v)
 	if err != nil {
 		return zero, fmt.Errorf("txn: phase %q: %w: encode result: %w", name, ErrInvalidUse, err)

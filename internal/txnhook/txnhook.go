@@ -25,7 +25,8 @@ const (
 	// BeforeCall: a Foreign phase is about to call its function; the lease
 	// was checked.
 	BeforeCall
-	// AfterCall: the foreign function returned, its result not recorded.
+	// AfterCall: the foreign function returned (with an error, or with a
+	// result not recorded yet).
 	AfterCall
 )
 
