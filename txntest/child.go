@@ -29,10 +29,11 @@ type childSpec struct {
 
 // record is a line the child writes to its parent on file descriptor 3.
 type record struct {
-	Event      *txnhook.Event `json:"event,omitempty"`
-	Dying      bool           `json:"dying,omitempty"`
-	End        *childEnd      `json:"end,omitempty"`
-	DropSchema string         `json:"drop_schema,omitempty"`
+	Event       *txnhook.Event `json:"event,omitempty"`
+	OutsideCall string         `json:"outside_call,omitempty"` // a provider call outside Foreign functions
+	Dying       bool           `json:"dying,omitempty"`
+	End         *childEnd      `json:"end,omitempty"`
+	DropSchema  string         `json:"drop_schema,omitempty"`
 }
 
 // childEnd is how the workflow ended in a child that never reached its
@@ -124,12 +125,15 @@ func runChild(t *testing.T, opts Options, spec *childSpec) {
 		t.Fatalf("txntest: child process: connect: %v", err)
 	}
 	defer pool.Close()
-	env := &Env{Pool: pool, Provider: &Provider{pool: pool}}
+	env := &Env{Pool: pool, Provider: &Provider{pool: pool},
+		watch: &watcher{report: func(key string) { emit(record{OutsideCall: key}) }}}
+	env.Provider.onCall = env.watch.call
 	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
 	runner, wf := newRunner(t, opts, env, log)
 	var mu sync.Mutex
 	seen := map[boundary]int{}
 	txnhook.Install(runner, func(e txnhook.Event) {
+		env.watch.event(e)
 		mu.Lock()
 		defer mu.Unlock()
 		emit(record{Event: &e})

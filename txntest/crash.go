@@ -39,8 +39,57 @@ type Env struct {
 	// same schema.
 	Pool *pgxpool.Pool
 	// Provider is the run's fake foreign service. Its record is in the
-	// run's schema, so it survives the process that called it.
+	// run's schema, so it survives the process that called it. Call it
+	// from the functions of Foreign phases only (see CrashEveryBoundary).
 	Provider *Provider
+
+	watch *watcher
+}
+
+// watcher follows a run's attempts and notes calls to its Provider made
+// outside the function of a Foreign phase.
+type watcher struct {
+	mu      sync.Mutex
+	calling bool     // between a BeforeCall and its AfterCall
+	outside []string // the keys of calls made outside
+	report  func(key string)
+}
+
+func (w *watcher) event(e txnhook.Event) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	switch e.Point {
+	case txnhook.BeforeCall:
+		w.calling = true
+	case txnhook.AfterCall:
+		w.calling = false
+	}
+}
+
+func (w *watcher) call(key string) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.calling {
+		return
+	}
+	w.outside = append(w.outside, key)
+	if w.report != nil {
+		w.report(key)
+	}
+}
+
+func (w *watcher) outsideCalls() []string {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return slices.Clone(w.outside)
+}
+
+// outsideMessage explains a call to the provider outside a Foreign phase.
+func outsideMessage(keys []string) string {
+	return fmt.Sprintf("env.Provider was called outside the function of any Foreign phase (under the keys %q): "+
+		"such a call runs again on every attempt that passes that point, and one made in an Atomic phase may "+
+		"carry values its transaction drew and a crash rolls back; call it in txn.Foreign, with the foreign key "+
+		"the function is given", keys)
 }
 
 // Options says which workflow CrashEveryBoundary runs, on what request, and
@@ -131,8 +180,9 @@ const (
 //     and a further retry replays it byte for byte;
 //   - the key is finished, and no attempt ended in txn.ErrConflict;
 //   - every foreign function got the same derived key on every attempt, and
-//     env.Provider saw the keys the clean run used and performed as many
-//     effects, with no call refused for a reused key;
+//     env.Provider was called from Foreign functions only, saw the keys the
+//     clean run used and performed as many effects, with no call refused
+//     for a reused key;
 //   - every table of the schema holds as many rows as after the clean run
 //     (see Options.IgnoreTables);
 //   - opts.Check holds.
@@ -151,11 +201,16 @@ const (
 //
 // The workflow must take the same path for the same request: the clean run
 // is run twice to check it, and to check that the response, the provider's
-// keys and the row counts are the same from run to run. Before a run is
-// recovered, the schema's identity and serial sequences are set back to the
-// highest value in use: a transaction that the death rolled back drew
-// values from them, as any rolled-back insert does, and the recovered
-// response could not be compared with the clean run's otherwise.
+// keys and the row counts are the same from run to run. After a death
+// before a commit, the schema's identity and serial sequences are set back
+// to the highest value in use before the recovery: the transaction the
+// death rolled back drew values from them, as any rolled-back insert does,
+// and the recovered response could not be compared with the clean run's
+// otherwise. A retry in production draws new values instead, so a foreign
+// call keyed by such a value (an order id drawn in an Atomic phase) would
+// repeat under a new key there but not here: make foreign calls through
+// env.Provider, which fails a run whose calls are made anywhere but in a
+// Foreign phase's function.
 //
 // The child process runs the calling test function from its start up to
 // its call of CrashEveryBoundary, which takes over there (calls are matched
@@ -393,6 +448,9 @@ func (k *kit) cleanRun(t *testing.T, which string) *result {
 	if err != nil {
 		t.Fatalf("txntest: the workflow failed on a %s, without any crash: %v", which, err)
 	}
+	if keys := env.watch.outsideCalls(); len(keys) > 0 {
+		t.Errorf("txntest: %s: %s", which, outsideMessage(keys))
+	}
 	res := k.collect(t, env, resp, r.events())
 	if len(res.events) == 0 {
 		t.Fatalf("txntest: the %s crossed no boundary: is the workflow the one registered under %q?", which, r.wf.Name())
@@ -525,16 +583,32 @@ func (k *kit) crashCase(t *testing.T, b boundary, rec recoveryKind) {
 	desc := b.describe() + ", then it was " + rec.describe(true)
 	t.Logf("txntest: %s", desc)
 	env := k.newEnv(t)
-	childEvents := k.spawn(t, env, b)
-	if err := rewindSequences(context.Background(), env.Pool); err != nil {
-		t.Fatalf("%v", err)
+	child := k.spawn(t, env, b)
+	if slices.ContainsFunc(child.events, func(e txnhook.Event) bool { return e.Point == txnhook.BeforeCall }) {
+		// Sequences may be rewound below: a call bound to a key row that
+		// a crash rolled back would get the same key again and go unseen.
+		var keys int
+		if err := env.Pool.QueryRow(context.Background(), `SELECT count(*) FROM idempotency_keys WHERE scope = $1 AND key = $2`,
+			k.opts.Key.Scope, k.opts.Key.Value).Scan(&keys); err != nil {
+			t.Fatalf("txntest: read the key: %v", err)
+		}
+		if keys == 0 {
+			t.Errorf("txntest: %s: the dead process called a foreign function, but no key is committed: the call's "+
+				"foreign key was derived from a key row that the crash rolled back", desc)
+		}
+	}
+	if b.Point == txnhook.BeforeCommit {
+		// The death rolled back a transaction that may have drawn ids.
+		if err := rewindSequences(context.Background(), env.Pool); err != nil {
+			t.Fatalf("%v", err)
+		}
 	}
 	r := k.newRunner(t, env)
 	resp, err := k.recover(t, env, r, rec)
 	if err != nil {
 		t.Fatalf("txntest: %s: the recovery failed: %v", desc, err)
 	}
-	k.verify(t, desc, env, r, resp, append(childEvents, r.events()...))
+	k.verify(t, desc, env, r, resp, append(child.events, r.events()...), child.outside)
 }
 
 // faultCase fails the nth provider call with f, recovers the operation by
@@ -554,14 +628,11 @@ func (k *kit) faultCase(t *testing.T, nth int, f Fault, rec recoveryKind) {
 		desc += ", and the attempt answered at once (it did not leave the operation to a retry)"
 	} else {
 		desc += ", then the operation was " + rec.describe(false)
-		if err := rewindSequences(ctx, env.Pool); err != nil {
-			t.Fatalf("%v", err)
-		}
 		if resp, err = k.recover(t, env, r, rec); err != nil {
 			t.Fatalf("txntest: %s: the recovery failed: %v", desc, err)
 		}
 	}
-	k.verify(t, desc, env, r, resp, r.events())
+	k.verify(t, desc, env, r, resp, r.events(), nil)
 }
 
 // newEnv creates a run's schema, the provider's tables and the service's
@@ -569,7 +640,8 @@ func (k *kit) faultCase(t *testing.T, nth int, f Fault, rec recoveryKind) {
 func (k *kit) newEnv(t testing.TB) *Env {
 	t.Helper()
 	d := pgtest.New(t)
-	env := &Env{Pool: d.Pool, Provider: NewProvider(t, d.Pool)}
+	env := &Env{Pool: d.Pool, Provider: NewProvider(t, d.Pool), watch: &watcher{}}
+	env.Provider.onCall = env.watch.call
 	envDB.Store(env, d)
 	t.Cleanup(func() { envDB.Delete(env) })
 	if k.opts.Setup != nil {
@@ -605,6 +677,7 @@ func (k *kit) newRunner(t testing.TB, env *Env) *runner {
 	r := &runner{log: log}
 	r.runner, r.wf = newRunner(t, k.opts, env, log)
 	txnhook.Install(r.runner, func(e txnhook.Event) {
+		env.watch.event(e)
 		r.mu.Lock()
 		defer r.mu.Unlock()
 		r.evs = append(r.evs, e)
@@ -679,7 +752,7 @@ func (k *kit) recover(t testing.TB, env *Env, r *runner, rec recoveryKind) (txn.
 }
 
 // verify checks a recovered run against the clean run.
-func (k *kit) verify(t *testing.T, desc string, env *Env, r *runner, resp txn.Response, events []txnhook.Event) {
+func (k *kit) verify(t *testing.T, desc string, env *Env, r *runner, resp txn.Response, events []txnhook.Event, outside []string) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), recoverTimeout)
 	defer cancel()
@@ -725,6 +798,9 @@ func (k *kit) verify(t *testing.T, desc string, env *Env, r *runner, resp txn.Re
 		if len(keys) > 1 {
 			fail("the foreign function of phase %q got different keys on different attempts: %v", phase, keys)
 		}
+	}
+	if outside = append(outside, env.watch.outsideCalls()...); len(outside) > 0 {
+		fail("%s", outsideMessage(outside))
 	}
 	got := k.collect(t, env, resp, nil)
 	k.verifyProvider(fail, got)
@@ -778,9 +854,14 @@ func firstRequest(calls []Call, key string) string {
 	return ""
 }
 
-// spawn runs the calling test in a child process that dies at b, and
-// returns the boundaries the child crossed.
-func (k *kit) spawn(t *testing.T, env *Env, b boundary) []txnhook.Event {
+// childRun is what a child process reported before it died.
+type childRun struct {
+	events  []txnhook.Event // the boundaries it crossed
+	outside []string        // the keys of provider calls outside Foreign functions
+}
+
+// spawn runs the calling test in a child process that dies at b.
+func (k *kit) spawn(t *testing.T, env *Env, b boundary) childRun {
 	t.Helper()
 	d, _ := envDB.Load(env)
 	db := d.(*pgtest.DB)
@@ -813,12 +894,14 @@ func (k *kit) spawn(t *testing.T, env *Env, b boundary) []txnhook.Event {
 	recs, readErr := readRecords(pr)
 	waitErr := cmd.Wait()
 
-	var events []txnhook.Event
+	var run childRun
 	died, end := false, (*childEnd)(nil)
 	for _, rec := range recs {
 		switch {
 		case rec.Event != nil:
-			events = append(events, *rec.Event)
+			run.events = append(run.events, *rec.Event)
+		case rec.OutsideCall != "":
+			run.outside = append(run.outside, rec.OutsideCall)
 		case rec.Dying:
 			died = true
 		case rec.End != nil:
@@ -829,16 +912,16 @@ func (k *kit) spawn(t *testing.T, env *Env, b boundary) []txnhook.Event {
 	}
 	switch {
 	case died && waitErr != nil && !cmd.ProcessState.Success():
-		return events
+		return run
 	case end != nil:
 		t.Fatalf("txntest: the child process ran the workflow to its end (%s) without crossing %s: it took another "+
-			"path than the clean run (it crossed: %s)\n%s", end.describe(), b.name(), eventList(events), out.String())
+			"path than the clean run (it crossed: %s)\n%s", end.describe(), b.name(), eventList(run.events), out.String())
 	case readErr != nil:
 		t.Fatalf("txntest: read the child process's boundaries: %v\n%s", readErr, out.String())
 	}
 	t.Fatalf("txntest: the child process that was to die at %s ended otherwise (%v) after crossing: %s\n%s",
-		b.name(), waitErr, eventList(events), out.String())
-	return nil
+		b.name(), waitErr, eventList(run.events), out.String())
+	return run
 }
 
 // runPattern is the -test.run pattern that selects exactly the test name.

@@ -53,6 +53,7 @@ func TestDBDropsTheSchemaWhenTheTestEnds(t *testing.T) {
 // called before CrashEveryBoundary creates a schema in each child, which
 // dies before its cleanup: the parent drops it.
 func TestSchemasAChildCreatesBeforeTheKitAreDropped(t *testing.T) {
+	t.Parallel()
 	pool := txntest.DB(t) // in each child too
 	ctx := context.Background()
 	mine := currentSchema(t, pool)

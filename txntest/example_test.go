@@ -43,6 +43,7 @@ func newCheckout(charge func(ctx context.Context, key string, cents int64) (stri
 
 // The README's "Testing your own workflows" quotes this test.
 func TestCheckoutChargesOnceWhateverCrashes(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	txntest.CrashEveryBoundary(t, txntest.Options{
 		// The workflow the service registers, charging through the kit's fake provider.

@@ -102,7 +102,8 @@ type Effect struct {
 //
 // A Provider is safe for concurrent use.
 type Provider struct {
-	pool *pgxpool.Pool
+	pool   *pgxpool.Pool
+	onCall func(key string) // CrashEveryBoundary's watcher, else nil
 
 	mu     sync.Mutex
 	faults []Fault
@@ -177,6 +178,9 @@ func (p *Provider) nextFault() Fault {
 func (p *Provider) Call(ctx context.Context, key string, request any) (string, error) {
 	if key == "" {
 		return "", fmt.Errorf("txntest: provider call: %w", ErrNoKey)
+	}
+	if p.onCall != nil {
+		p.onCall(key)
 	}
 	body, err := json.Marshal(request)
 	if err != nil {

@@ -104,6 +104,40 @@ func TestBrokenEffectOutsideAnyPhase(t *testing.T) {
 	})
 }
 
+// TestBrokenCallInsideAPhase runs, in a child process of
+// TestKitFailsAProviderCallInsideAPhase, a checkout that charges inside
+// its first phase's transaction, under the id of the order it inserts.
+func TestBrokenCallInsideAPhase(t *testing.T) {
+	if !brokenOnly(t) {
+		return
+	}
+	txntest.CrashEveryBoundary(t, txntest.Options{
+		Workflow: func(t testing.TB, env *txntest.Env) *txn.Workflow {
+			return txn.NewWorkflow("checkout", func(ctx context.Context, a *txn.Attempt) (txn.Response, error) {
+				charge, err := txn.Atomic(ctx, a, "order_charged", func(ctx context.Context, tx pgx.Tx) (string, error) {
+					var id int64
+					if err := tx.QueryRow(ctx, `INSERT INTO orders (cents) VALUES (1250) RETURNING id`).Scan(&id); err != nil {
+						return "", err
+					}
+					// The bug: a foreign call in a transaction, keyed by an id
+					// the transaction drew; a crash before its commit rolls
+					// the order back, and production's retry draws a new id.
+					return env.Provider.Call(ctx, fmt.Sprintf("order-%d", id), map[string]int64{"cents": 1250})
+				})
+				if err != nil {
+					return txn.Response{}, err
+				}
+				return a.Finish(ctx, func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+					return txn.JSON(201, map[string]any{"charge": charge})
+				})
+			})
+		},
+		Setup: createOrders,
+		Key:   checkoutKey,
+		Check: chargedOnce,
+	})
+}
+
 // runBroken runs a broken-workflow test in a child process, only the runs
 // named by boundaries (a -run pattern's second level), and returns its
 // verbose output; the test must fail.
@@ -165,4 +199,21 @@ func TestKitFailsAnEffectWrittenOutsideAnyPhase(t *testing.T) {
 	require.Contains(t, out, `table "charges" holds 2 rows, the clean run left 1`)
 	require.Contains(t, out, "one charge row") // the test's own check
 	require.NotContains(t, out, "two clean runs")
+}
+
+// A call to the provider inside a phase's transaction, keyed by an id the
+// transaction drew, charges twice in production after a crash before the
+// commit (the retry draws another id). The kit rewinds sequences before
+// recovering, so the retry reuses the id: it must find the call by where it
+// is made.
+func TestKitFailsAProviderCallInsideAPhase(t *testing.T) {
+	t.Parallel()
+	const name = "TestBrokenCallInsideAPhase"
+	out := runBroken(t, name, "before_commit_order_charged")
+	require.Contains(t, out, "txntest: clean run: env.Provider was called outside the function of any Foreign phase")
+	for _, rec := range []string{"retry", "resumer"} {
+		requireVerdict(t, out, "FAIL", name+"/before_commit_order_charged/"+rec)
+	}
+	require.Contains(t, out, `the process died just before the commit of phase "order_charged"`)
+	require.Contains(t, out, `(under the keys ["order-1" "order-1"])`)
 }
