@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"runtime/debug"
 	"sync/atomic"
 	"time"
 
@@ -19,6 +18,7 @@ import (
 	"github.com/atomicphase/atomicphase/internal/pgerr"
 	"github.com/atomicphase/atomicphase/internal/txnbridge"
 	"github.com/atomicphase/atomicphase/internal/txnhook"
+	"github.com/atomicphase/atomicphase/internal/usercode"
 )
 
 // Stats counts what a Runner did since it was created. A high Replayed or
@@ -271,27 +271,15 @@ func (r *Runner) backoff(ctx context.Context, try int) error {
 	return sleep(ctx, r.retry.Delay(try))
 }
 
-func sleep(ctx context.Context, d time.Duration) error {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-ctx.Done():
-		return ctx.Err()
-	case <-t.C:
-		return nil
-	}
-}
+func sleep(ctx context.Context, d time.Duration) error { return backoff.Sleep(ctx, d) }
 
 // guard runs fn, which calls user code, turning a panic into a *PanicError
 // so that the phase rolls back and the key is released as after any other
 // transient error.
-func guard[T any](fn func() (T, error)) (v T, err error) {
-	defer func() {
-		if p := recover(); p != nil {
-			err = &PanicError{Value: p, Stack: debug.Stack()}
-		}
-	}()
-	return fn()
+func guard[T any](fn func() (T, error)) (T, error) {
+	return usercode.Call(fn, func(value any, stack []byte) error {
+		return &PanicError{Value: value, Stack: stack}
+	})
 }
 
 func int4(v int) pgtype.Int4 { return pgtype.Int4{Int32: int32(v), Valid: true} }

@@ -6,6 +6,7 @@
 package backoff
 
 import (
+	"context"
 	"math/rand/v2"
 	"time"
 )
@@ -55,4 +56,17 @@ func (p Policy) Delay(n int) time.Duration {
 		return half + rand.N(d-half+1)
 	}
 	return d
+}
+
+// Sleep waits d, or until ctx ends and then returns ctx's error: the wait
+// of a retry loop that a caller's cancellation must cut short.
+func Sleep(ctx context.Context, d time.Duration) error {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-t.C:
+		return nil
+	}
 }

@@ -1,6 +1,7 @@
 package backoff_test
 
 import (
+	"context"
 	"math"
 	"testing"
 	"time"
@@ -52,4 +53,14 @@ func TestEqualJitterDrawsFromTheUpperHalf(t *testing.T) {
 		seen[tiny.Delay(0)] = true
 	}
 	require.Equal(t, map[time.Duration]bool{2: true, 3: true, 4: true}, seen)
+}
+
+func TestSleepEndsWithItsContext(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	began := time.Now()
+	require.ErrorIs(t, backoff.Sleep(ctx, time.Hour), context.Canceled)
+	require.Less(t, time.Since(began), time.Minute)
+	require.NoError(t, backoff.Sleep(context.Background(), time.Millisecond))
 }
