@@ -39,6 +39,19 @@ type IdempotencyKey struct {
 	Ctid             pgtype.TID
 }
 
+type InboxMessage struct {
+	Consumer   string
+	MessageID  string
+	RecordedAt time.Time
+	KeepUntil  time.Time
+	DeadAt     *time.Time
+	Deliveries pgtype.Int4
+	LastError  pgtype.Text
+	Topic      pgtype.Text
+	Payload    []byte
+	Headers    json.RawMessage
+}
+
 type OutboxMessage struct {
 	ID               int64
 	IdempotencyKeyID pgtype.Int8
