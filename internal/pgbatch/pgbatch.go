@@ -1,0 +1,39 @@
+// Package pgbatch lets generated queries (internal/db) travel in a pgx.Batch,
+// so that one of them can go to the server in the same round trip as BEGIN or
+// COMMIT.
+package pgbatch
+
+import (
+	"context"
+	"errors"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// Queue is a db.DBTX that queues every statement in B instead of running
+// it: db.New(pgbatch.Queue{B: b}).SomeQuery(ctx, ...) appends the query to b
+// and returns zero results. Read the real results from the BatchResults of b.
+type Queue struct{ B *pgx.Batch }
+
+// Exec queues sql.
+func (q Queue) Exec(_ context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
+	q.B.Queue(sql, args...)
+	return pgconn.CommandTag{}, nil
+}
+
+// Query queues sql; the error says the rows are not there yet.
+func (q Queue) Query(_ context.Context, sql string, args ...any) (pgx.Rows, error) {
+	q.B.Queue(sql, args...)
+	return nil, errors.New("a queued query has no rows yet")
+}
+
+// QueryRow queues sql; scanning its row does nothing.
+func (q Queue) QueryRow(_ context.Context, sql string, args ...any) pgx.Row {
+	q.B.Queue(sql, args...)
+	return queuedRow{}
+}
+
+type queuedRow struct{}
+
+func (queuedRow) Scan(...any) error { return nil }
