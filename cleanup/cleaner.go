@@ -22,6 +22,9 @@ type Report struct {
 	KeysDeleted int64
 	// OutboxDeleted counts outbox messages deleted.
 	OutboxDeleted int64
+	// InboxDeleted counts inbox rows (handled messages and dead letters)
+	// deleted.
+	InboxDeleted int64
 	// Batches counts the delete transactions that removed at least one row;
 	// none removed more than Config.BatchSize.
 	Batches int
@@ -31,7 +34,7 @@ type Report struct {
 	Skipped bool
 }
 
-// Cleaner deletes expired keys and outbox messages. It is safe for
+// Cleaner deletes expired keys, outbox messages and inbox rows. It is safe for
 // concurrent use; across processes, one cleaner deletes at a time (a batch
 // takes the cleanup lock; a round that finds it held stops).
 type Cleaner struct {
@@ -58,8 +61,9 @@ func New(pool *pgxpool.Pool, cfg *Config) (*Cleaner, error) {
 	return &Cleaner{pool: pool, cfg: c, log: c.Logger}, nil
 }
 
-// RunOnce runs one round: it deletes expired keys and then expired outbox
-// messages, a batch per transaction, until a batch comes back short. Each
+// RunOnce runs one round: it deletes expired keys, then expired outbox
+// messages, then inbox rows past their keep_until (see package inbox), a
+// batch per transaction, until a batch comes back short. Each
 // batch's transaction first takes the cleanup lock (a transaction-scoped
 // advisory lock, so nothing outlives the transaction on a pooled
 // connection); when another cleaner holds it, the round stops there, logs a
@@ -83,6 +87,9 @@ func (c *Cleaner) RunOnce(ctx context.Context) (rep Report, err error) {
 				RetentionSeconds: c.cfg.OutboxRetention.Seconds(), BatchSize: int32(c.cfg.BatchSize),
 			})
 		}},
+		{"delete expired inbox messages", &rep.InboxDeleted, func(ctx context.Context, q *db.Queries) (int64, error) {
+			return q.DeleteExpiredInboxMessages(ctx, int32(c.cfg.BatchSize))
+		}},
 	}
 	for _, step := range steps {
 		for {
@@ -96,7 +103,8 @@ func (c *Cleaner) RunOnce(ctx context.Context) (rep Report, err error) {
 			if !locked {
 				rep.Skipped = true
 				c.log.WarnContext(ctx, "cleanup round skipped: another cleaner holds the cleanup lock",
-					"reason", "lock_held", "keys_deleted", rep.KeysDeleted, "outbox_deleted", rep.OutboxDeleted)
+					"reason", "lock_held", "keys_deleted", rep.KeysDeleted, "outbox_deleted", rep.OutboxDeleted,
+					"inbox_deleted", rep.InboxDeleted)
 				return rep, nil
 			}
 			*step.deleted += n
@@ -142,7 +150,11 @@ func (c *Cleaner) DryRun(ctx context.Context) (Report, error) {
 	if err != nil {
 		return Report{}, service.Wrap(ctx, "cleanup", "count expired rows", err)
 	}
-	return Report{KeysDeleted: n.Keys, OutboxDeleted: n.OutboxMessages}, nil
+	inbox, err := db.New(c.pool).CountExpiredInboxMessages(ctx)
+	if err != nil {
+		return Report{}, service.Wrap(ctx, "cleanup", "count expired inbox messages", err)
+	}
+	return Report{KeysDeleted: n.Keys, OutboxDeleted: n.OutboxMessages, InboxDeleted: inbox}, nil
 }
 
 // Start runs a round at once and then every Config.Interval, in a goroutine,
@@ -170,13 +182,13 @@ func (c *Cleaner) round(ctx context.Context) {
 		return // stopped
 	case err != nil:
 		c.log.ErrorContext(ctx, "cleanup round failed", "error", err,
-			"keys_deleted", rep.KeysDeleted, "outbox_deleted", rep.OutboxDeleted)
+			"keys_deleted", rep.KeysDeleted, "outbox_deleted", rep.OutboxDeleted, "inbox_deleted", rep.InboxDeleted)
 	default:
 		level := slog.LevelInfo
-		if rep.KeysDeleted == 0 && rep.OutboxDeleted == 0 {
+		if rep.KeysDeleted == 0 && rep.OutboxDeleted == 0 && rep.InboxDeleted == 0 {
 			level = slog.LevelDebug
 		}
 		c.log.Log(ctx, level, "cleanup round", "keys_deleted", rep.KeysDeleted,
-			"outbox_deleted", rep.OutboxDeleted, "batches", rep.Batches, "skipped", rep.Skipped)
+			"outbox_deleted", rep.OutboxDeleted, "inbox_deleted", rep.InboxDeleted, "batches", rep.Batches, "skipped", rep.Skipped)
 	}
 }

@@ -1,5 +1,5 @@
-// Package cleanup deletes idempotency keys past their expiry and outbox
-// messages past their retention.
+// Package cleanup deletes idempotency keys past their expiry, and outbox
+// messages and inbox rows past their retention.
 //
 // # Expiry policy
 //
@@ -14,6 +14,12 @@
 // Outbox messages are deleted once they were published or dead-lettered
 // longer ago than their retention (default 7 days). Pending messages are
 // never deleted.
+//
+// Inbox rows (package inbox: the messages a consumer handled, and its dead
+// letters) are deleted once past their keep_until, which each consumer
+// stamps from its own inbox.Config.Retention when it writes the row; the
+// inbox's adapters check at start that this outlasts the broker's
+// redelivery horizon, so the cleaner needs no setting of its own for them.
 //
 // # Batches and concurrency
 //

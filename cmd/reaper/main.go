@@ -244,6 +244,7 @@ func (r *reaper) round(ctx context.Context) error {
 		"left", rec.Left,
 		"keys_deleted", cln.KeysDeleted,
 		"outbox_deleted", cln.OutboxDeleted,
+		"inbox_deleted", cln.InboxDeleted,
 		"delete_batches", cln.Batches,
 		"cleanup_skipped", cln.Skipped,
 		"outbox_pending", backlog.OutboxPending,

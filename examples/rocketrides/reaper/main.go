@@ -68,6 +68,6 @@ func run(ctx context.Context, logger *slog.Logger) error {
 		return err
 	}
 	logger.Info("reaper round", "resumed", rep.Resumed, "failed", rep.Failed(), "left", rep.Left,
-		"keys_deleted", del.KeysDeleted, "outbox_deleted", del.OutboxDeleted)
+		"keys_deleted", del.KeysDeleted, "outbox_deleted", del.OutboxDeleted, "inbox_deleted", del.InboxDeleted)
 	return nil
 }
