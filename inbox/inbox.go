@@ -111,7 +111,7 @@ func (in *Inbox) CheckHorizon(horizon time.Duration, what string) error {
 	if horizon < in.cfg.Retention {
 		return nil
 	}
-	return fmt.Errorf("%w: %s may deliver a message again up to %v after it was handled, and consumer %q keeps handled messages for %v (Retention); raise Retention above %v or shorten the redelivery horizon",
+	return fmt.Errorf("inbox: %w: %s may deliver a message again up to %v after it was handled, and consumer %q keeps handled messages for %v (Retention); raise Retention above %v or shorten the redelivery horizon",
 		ErrRetentionTooShort, what, horizon, in.cfg.Consumer, in.cfg.Retention, horizon)
 }
 
