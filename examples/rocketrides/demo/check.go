@@ -27,15 +27,24 @@ type chargeRow struct {
 	Status string
 }
 
+// receiptRow is a row the receipts service wrote.
+type receiptRow struct {
+	RideID   int64
+	ChargeID string
+}
+
 // facts is everything the demo observed, from the clients, the service's
-// database, the provider's table and the JetStream stream.
+// database, the provider's table, the JetStream stream and the receipts
+// service's table.
 type facts struct {
 	Requested           int
 	Answers             map[string]answer // idempotency key -> final answer
 	Rides               []rideRow
 	Charges             []chargeRow
 	Receipts            []rides.Receipt
-	InconsistentReplays int // replays whose body differed from the first answer
+	ReceiptRows         []receiptRow // written by the receipts service, through its inbox
+	DeadLetters         int          // receipts the receipts service gave up on
+	InconsistentReplays int          // replays whose body differed from the first answer
 }
 
 // check returns every broken exactly-once invariant, or none.
@@ -136,6 +145,35 @@ func check(f facts) []string {
 	}
 	if len(seen) != len(charged) {
 		fail("%d rides have receipts, %d rides are charged", len(seen), len(charged))
+	}
+	rows := map[int64]int{}
+	for _, rr := range f.ReceiptRows {
+		rows[rr.RideID]++
+		r, ok := charged[rr.RideID]
+		switch {
+		case !ok:
+			fail("receipt row for ride %d, which is not charged", rr.RideID)
+		case r.ChargeID != rr.ChargeID:
+			fail("receipt row for ride %d names charge %s, the ride has %s", rr.RideID, rr.ChargeID, r.ChargeID)
+		}
+	}
+	dups = dups[:0]
+	for id, n := range rows {
+		if n > 1 {
+			dups = append(dups, id)
+		}
+	}
+	sort.Slice(dups, func(i, j int) bool { return dups[i] < dups[j] })
+	for _, id := range dups {
+		fail("ride %d has %d receipt rows: a redelivered receipt was handled twice", id, rows[id])
+	}
+	for id := range charged {
+		if rows[id] == 0 {
+			fail("charged ride %d has no receipt row", id)
+		}
+	}
+	if f.DeadLetters > 0 {
+		fail("the receipts service dead-lettered %d receipts", f.DeadLetters)
 	}
 	if f.InconsistentReplays > 0 {
 		fail("%d replays differed from the first answer", f.InconsistentReplays)

@@ -22,24 +22,24 @@ import (
 func TestMain(m *testing.M) { pgtest.Main(m) }
 
 var (
-	buildOnce               sync.Once
-	serviceBin, providerBin string
-	buildErr                error
-	buildDir                string
+	buildOnce sync.Once
+	built     binaries
+	buildErr  error
+	buildDir  string
 )
 
-func binaries(t *testing.T) (string, string) {
+func builtBinaries(t *testing.T) binaries {
 	t.Helper()
 	buildOnce.Do(func() {
 		buildDir, buildErr = os.MkdirTemp("", "rocketrides-e2e")
 		if buildErr == nil {
 			dir := buildDir
 			pgtest.AtExit(func() { _ = os.RemoveAll(dir) })
-			serviceBin, providerBin, buildErr = buildBinaries(context.Background(), buildDir)
+			built, buildErr = buildBinaries(context.Background(), buildDir)
 		}
 	})
 	require.NoError(t, buildErr)
-	return serviceBin, providerBin
+	return built
 }
 
 // newStack starts the provider and NATS for one test, in its own schema.
@@ -49,7 +49,8 @@ func newStack(t *testing.T, serviceArgs ...string) (*stack, *pgtest.DB, jetstrea
 	d := pgtest.New(t)
 	st := &stack{dir: t.TempDir(), stream: uniqueName("E2E"), serviceArgs: serviceArgs}
 	st.prefix = st.stream + "."
-	st.serviceBin, st.providerBin = binaries(t)
+	st.bins = builtBinaries(t)
+	st.receiptsArgs = []string{"-ack-wait", "2s"}
 	var err error
 	st.dbURL, err = withSearchPath(d.URL, d.Schema)
 	require.NoError(t, err)
@@ -70,6 +71,8 @@ func newStack(t *testing.T, serviceArgs ...string) (*stack, *pgtest.DB, jetstrea
 	require.NoError(t, err)
 	st.serviceAddr, err = freeAddr()
 	require.NoError(t, err)
+	st.receiptsAddr, err = freeAddr()
+	require.NoError(t, err)
 	t.Cleanup(func() {
 		st.stop()
 		if t.Failed() {
@@ -79,6 +82,7 @@ func newStack(t *testing.T, serviceArgs ...string) (*stack, *pgtest.DB, jetstrea
 		_ = st.logs.Close()
 	})
 	require.NoError(t, st.startProvider(ctx))
+	require.NoError(t, st.startReceipts(ctx))
 	return st, d, stream
 }
 
@@ -135,7 +139,8 @@ func streamMsgs(t *testing.T, stream jetstream.Stream) uint64 {
 // The service is SIGKILLed after the provider charged the card and the
 // charge was recorded, before the final phase. Whoever finishes the ride —
 // the in-process resumer of the restarted service, or the client's retry —
-// the provider holds one charge and JetStream one receipt.
+// the provider holds one charge, JetStream one receipt, and the receipts
+// service one row.
 func TestSIGKILLBetweenChargeAndFinalPhase(t *testing.T) {
 	t.Parallel()
 	for name, finisher := range map[string][]string{
@@ -185,6 +190,10 @@ func TestSIGKILLBetweenChargeAndFinalPhase(t *testing.T) {
 			})
 			require.Equal(t, 1, d.Count(t, `SELECT count(*) FROM outbox_messages`), "one receipt staged")
 			require.Equal(t, uint64(1), streamMsgs(t, stream), "the receipt is published once")
+			poll(t, 30*time.Second, "the receipts service wrote the receipt", func() bool {
+				return d.Count(t, `SELECT count(*) FROM receipts`) == 1
+			})
+			require.Equal(t, 1, d.Count(t, `SELECT count(*) FROM receipts WHERE charge_id = $1`, created.ChargeID))
 		})
 	}
 }

@@ -1,10 +1,12 @@
 // Command demo is the rocketrides demonstration (`make demo`): it starts the
-// payment provider (with faults on), the ride service and NATS JetStream,
-// then 50 clients create 2,000 rides, each retrying with the same
-// Idempotency-Key on timeouts, 5xx and 409, while the demo kills the service
-// with SIGKILL three times at random moments and restarts it. It then checks
-// that rides, successful charges and receipts agree one to one with no
-// duplicates, prints a report, and exits non-zero if any invariant broke.
+// payment provider (with faults on), the ride service, the receipts service
+// and NATS JetStream, then 50 clients create 2,000 rides, each retrying with
+// the same Idempotency-Key on timeouts, 5xx and 409, while the demo kills
+// the ride service and the receipts service with SIGKILL three times at
+// random moments and restarts them. It then checks that rides, successful
+// charges, receipts in JetStream and the receipts service's rows agree one
+// to one with no duplicates, prints a report, and exits non-zero if any
+// invariant broke.
 //
 // It uses DATABASE_URL when set (in a fresh schema it drops afterwards),
 // otherwise a throwaway PostgreSQL cluster; NATS_URL when set (in a fresh
@@ -71,12 +73,15 @@ func run(ctx context.Context, o options, out io.Writer) error {
 	}
 	defer os.RemoveAll(dir)
 
-	fmt.Fprintln(out, "building the service and the provider...")
+	fmt.Fprintln(out, "building the ride service, the provider and the receipts service...")
 	st := &stack{dir: dir, stream: uniqueName("DEMO"), serviceArgs: []string{
 		"-resume-delay", "2s", "-resume-interval", "1s", "-provider-timeout", "1s", "-lease", "5s"}}
 	st.prefix = st.stream + "."
 	st.providerArgs = []string{"-error-rate", fmt.Sprint(o.errorRate), "-drop-rate", fmt.Sprint(o.dropRate), "-latency", o.latency.String()}
-	if st.serviceBin, st.providerBin, err = buildBinaries(ctx, dir); err != nil {
+	// A receipt left unacknowledged by a killed receipts service comes
+	// again after 2 s.
+	st.receiptsArgs = []string{"-ack-wait", "2s"}
+	if st.bins, err = buildBinaries(ctx, dir); err != nil {
 		return err
 	}
 	if st.logs, err = os.Create(dir + "/processes.log"); err != nil {
@@ -137,6 +142,9 @@ func run(ctx context.Context, o options, out io.Writer) error {
 	if st.serviceAddr, err = freeAddr(); err != nil {
 		return err
 	}
+	if st.receiptsAddr, err = freeAddr(); err != nil {
+		return err
+	}
 	defer st.stop()
 	if err := st.startProvider(ctx); err != nil {
 		return fmt.Errorf("provider: %w (logs: %s)", err, st.logs.Name())
@@ -144,7 +152,10 @@ func run(ctx context.Context, o options, out io.Writer) error {
 	if err := st.startService(ctx); err != nil {
 		return fmt.Errorf("service: %w (logs: %s)", err, st.logs.Name())
 	}
-	fmt.Fprintf(out, "provider faults: %.0f%% 503, %.0f%% charged-then-dropped, up to %v latency; service killed %d times\n\n",
+	if err := st.startReceipts(ctx); err != nil {
+		return fmt.Errorf("receipts service: %w (logs: %s)", err, st.logs.Name())
+	}
+	fmt.Fprintf(out, "provider faults: %.0f%% 503, %.0f%% charged-then-dropped, up to %v latency; services killed %d times\n\n",
 		o.errorRate*100, o.dropRate*100, o.latency, o.kills)
 
 	started := time.Now()
@@ -167,10 +178,15 @@ func run(ctx context.Context, o options, out io.Writer) error {
 				}
 			}
 			_ = st.killService()
+			st.killReceipts()
 			lg.kills.Add(1)
 			time.Sleep(time.Duration(rand.N(300)) * time.Millisecond)
 			if err := st.startService(ctx); err != nil {
 				killErr = fmt.Errorf("restart service: %w", err)
+				return
+			}
+			if err := st.startReceipts(ctx); err != nil {
+				killErr = fmt.Errorf("restart receipts service: %w", err)
 				return
 			}
 		}
@@ -218,7 +234,28 @@ progress:
 		}
 	}
 
-	f, report, err := gather(ctx, pool, stream, lg)
+	// Let the receipts service handle every receipt: nothing left to
+	// deliver, nothing awaiting an acknowledgement.
+	receiptsConsumer, err := stream.Consumer(ctx, rides.ReceiptsConsumer)
+	if err != nil {
+		return err
+	}
+	for {
+		info, err := receiptsConsumer.Info(ctx)
+		if err != nil {
+			return err
+		}
+		if info.NumPending == 0 && info.NumAckPending == 0 {
+			break
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("%d receipts were never handled by the receipts service: %w", info.NumPending+uint64(info.NumAckPending), ctx.Err())
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+
+	f, report, err := gather(ctx, pool, stream, receiptsConsumer, lg)
 	if err != nil {
 		return err
 	}
@@ -230,12 +267,13 @@ progress:
 		}
 		return fmt.Errorf("%d invariants broke (process logs: %s)", len(bad), st.logs.Name())
 	}
-	fmt.Fprintln(out, "\nOK: every ride was charged at most once, answered consistently, and has exactly one receipt.")
+	fmt.Fprintln(out, "\nOK: every ride was charged at most once, answered consistently, and has exactly one receipt,\n    in JetStream and in the receipts service's table.")
 	return nil
 }
 
-// gather collects the facts from the database, the provider and JetStream.
-func gather(ctx context.Context, pool *pgxpool.Pool, stream jetstream.Stream, lg *load) (facts, string, error) {
+// gather collects the facts from the database, the provider, JetStream and
+// the receipts service.
+func gather(ctx context.Context, pool *pgxpool.Pool, stream jetstream.Stream, receipts jetstream.Consumer, lg *load) (facts, string, error) {
 	f := facts{Requested: lg.total, Answers: lg.answers(), InconsistentReplays: int(lg.inconsistent.Load())}
 	rows, err := pool.Query(ctx, `SELECT id, user_id, status, coalesce(charge_id, '') FROM rides ORDER BY id`)
 	if err != nil {
@@ -277,6 +315,24 @@ func gather(ctx context.Context, pool *pgxpool.Pool, stream jetstream.Stream, lg
 			return f, "", fmt.Errorf("read %d of %d receipts", len(f.Receipts), info.State.Msgs)
 		}
 	}
+	rows, err = pool.Query(ctx, `SELECT ride_id, charge_id FROM receipts ORDER BY id`)
+	if err != nil {
+		return f, "", err
+	}
+	f.ReceiptRows, err = pgx.CollectRows(rows, pgx.RowToStructByPos[receiptRow])
+	if err != nil {
+		return f, "", err
+	}
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM inbox_messages WHERE consumer = $1 AND dead_at IS NOT NULL`,
+		rides.ReceiptsConsumer).Scan(&f.DeadLetters); err != nil {
+		return f, "", err
+	}
+	cinfo, err := receipts.Info(ctx)
+	if err != nil {
+		return f, "", err
+	}
+	deliveries := cinfo.Delivered.Consumer // every delivery, redeliveries included
+
 	var resumed, failed int
 	if err := pool.QueryRow(ctx, `SELECT count(*) FILTER (WHERE attempts > 1), count(*) FILTER (WHERE status = 'failed')
 		FROM idempotency_keys`).Scan(&resumed, &failed); err != nil {
@@ -301,11 +357,13 @@ func gather(ctx context.Context, pool *pgxpool.Pool, stream jetstream.Stream, lg
 	fmt.Fprintf(&b, "requests sent:        %d (%d rides, %d retries, %d deliberate replays)\n", lg.requests.Load(), lg.total, lg.retries.Load(), lg.replayChecks.Load())
 	fmt.Fprintf(&b, "responses:            201=%d  402=%d  409=%d  5xx=%d  transport errors=%d  replayed=%d\n",
 		lg.status(201), lg.status(402), lg.status(409), lg.status5xx(), lg.transport.Load(), lg.replayed.Load())
-	fmt.Fprintf(&b, "service kills:        %d (SIGKILL, then restart)\n", lg.kills.Load())
+	fmt.Fprintf(&b, "service kills:        %d (SIGKILL of the ride and receipts services, then restart)\n", lg.kills.Load())
 	fmt.Fprintf(&b, "keys taken over:      %d (resumed by a retry or the in-process resumer), failed: %d\n", resumed, failed)
 	fmt.Fprintf(&b, "rides in database:    %d (charged %d, declined %d)\n", len(f.Rides), charged, declined)
 	fmt.Fprintf(&b, "charges at provider:  %d succeeded, %d declined\n", succeeded, len(f.Charges)-succeeded)
 	fmt.Fprintf(&b, "receipts in JetStream: %d\n", len(f.Receipts))
+	fmt.Fprintf(&b, "receipts service:     %d rows from %d deliveries (%d redelivered after a kill or a lost ack, acknowledged by the inbox without a second row), %d dead letters\n",
+		len(f.ReceiptRows), deliveries, int64(deliveries)-int64(len(f.Receipts)), f.DeadLetters)
 	return f, b.String(), nil
 }
 

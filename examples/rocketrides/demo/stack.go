@@ -18,34 +18,38 @@ import (
 // stack runs the provider and the service as real processes.
 type stack struct {
 	dir          string
-	serviceBin   string
-	providerBin  string
+	bins         binaries
 	dbURL        string // scoped to the run's schema
 	natsURL      string
 	stream       string
 	prefix       string
 	serviceAddr  string
 	providerAddr string
+	receiptsAddr string
 	serviceArgs  []string
 	providerArgs []string
+	receiptsArgs []string
 	logs         *os.File
 	service      *exec.Cmd
 	provider     *exec.Cmd
+	receipts     *exec.Cmd
 }
 
-// buildBinaries compiles the service and the provider into dir.
-func buildBinaries(ctx context.Context, dir string) (service, provider string, err error) {
-	service, provider = filepath.Join(dir, "rocketrides"), filepath.Join(dir, "provider")
-	for bin, pkg := range map[string]string{
-		service:  "github.com/atomicphase/atomicphase/examples/rocketrides",
-		provider: "github.com/atomicphase/atomicphase/examples/rocketrides/provider",
-	} {
-		cmd := exec.CommandContext(ctx, "go", "build", "-o", bin, pkg)
-		if out, err := cmd.CombinedOutput(); err != nil {
-			return "", "", fmt.Errorf("build %s: %w\n%s", pkg, err, out)
-		}
+// binaries are the example's programs, built for the run.
+type binaries struct{ service, provider, receipts string }
+
+// buildBinaries compiles the service, the provider and the receipts
+// service into dir, in one go build.
+func buildBinaries(ctx context.Context, dir string) (binaries, error) {
+	b := binaries{service: filepath.Join(dir, "rocketrides"), provider: filepath.Join(dir, "provider"), receipts: filepath.Join(dir, "receipts")}
+	const pkg = "github.com/atomicphase/atomicphase/examples/rocketrides"
+	// With several packages and -o naming a directory, each binary is
+	// named after its package's directory ("rocketrides" for the service).
+	cmd := exec.CommandContext(ctx, "go", "build", "-o", dir+string(filepath.Separator), pkg, pkg+"/provider", pkg+"/receipts")
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return binaries{}, fmt.Errorf("build the example: %w\n%s", err, out)
 	}
-	return service, provider, nil
+	return b, nil
 }
 
 // withSearchPath returns dbURL, in URL or keyword/value form, with
@@ -65,7 +69,7 @@ func freeAddr() (string, error) {
 
 func (s *stack) startProvider(ctx context.Context) error {
 	args := append([]string{"-addr", s.providerAddr, "-database-url", s.dbURL}, s.providerArgs...)
-	s.provider = exec.Command(s.providerBin, args...)
+	s.provider = exec.Command(s.bins.provider, args...)
 	s.provider.Stdout, s.provider.Stderr = s.logs, s.logs
 	if err := s.provider.Start(); err != nil {
 		return err
@@ -78,7 +82,7 @@ func (s *stack) startService(ctx context.Context, extra ...string) error {
 		"-provider-url", "http://" + s.providerAddr, "-nats-url", s.natsURL,
 		"-stream", s.stream, "-subject-prefix", s.prefix}, s.serviceArgs...)
 	args = append(args, extra...)
-	s.service = exec.Command(s.serviceBin, args...)
+	s.service = exec.Command(s.bins.service, args...)
 	s.service.Stdout, s.service.Stderr = s.logs, s.logs
 	if err := s.service.Start(); err != nil {
 		return err
@@ -86,16 +90,37 @@ func (s *stack) startService(ctx context.Context, extra ...string) error {
 	return waitHealthy(ctx, "http://"+s.serviceAddr+"/healthz")
 }
 
+func (s *stack) startReceipts(ctx context.Context) error {
+	args := append([]string{"-addr", s.receiptsAddr, "-database-url", s.dbURL, "-nats-url", s.natsURL,
+		"-stream", s.stream, "-subject-prefix", s.prefix}, s.receiptsArgs...)
+	s.receipts = exec.Command(s.bins.receipts, args...)
+	s.receipts.Stdout, s.receipts.Stderr = s.logs, s.logs
+	if err := s.receipts.Start(); err != nil {
+		return err
+	}
+	return waitHealthy(ctx, "http://"+s.receiptsAddr+"/healthz")
+}
+
 // killService ends the service with SIGKILL: no deferred code, no graceful
 // shutdown, like a crashed or evicted process.
 func (s *stack) killService() error {
-	if s.service == nil || s.service.Process == nil {
-		return nil
-	}
-	_ = s.service.Process.Signal(syscall.SIGKILL)
-	_ = s.service.Wait()
+	kill(s.service)
 	s.service = nil
 	return nil
+}
+
+// killReceipts ends the receipts service with SIGKILL.
+func (s *stack) killReceipts() {
+	kill(s.receipts)
+	s.receipts = nil
+}
+
+func kill(c *exec.Cmd) {
+	if c == nil || c.Process == nil {
+		return
+	}
+	_ = c.Process.Signal(syscall.SIGKILL)
+	_ = c.Wait()
 }
 
 // waitService waits for a service that kills itself (fault injection) to exit.
@@ -112,7 +137,7 @@ func (s *stack) waitService(timeout time.Duration) error {
 }
 
 func (s *stack) stop() {
-	for _, c := range []*exec.Cmd{s.service, s.provider} {
+	for _, c := range []*exec.Cmd{s.service, s.receipts, s.provider} {
 		if c != nil && c.Process != nil {
 			_ = c.Process.Signal(syscall.SIGTERM)
 			done := make(chan struct{})
@@ -125,7 +150,7 @@ func (s *stack) stop() {
 			}
 		}
 	}
-	s.service, s.provider = nil, nil
+	s.service, s.receipts, s.provider = nil, nil, nil
 }
 
 func waitHealthy(ctx context.Context, u string) error {
