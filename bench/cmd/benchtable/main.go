@@ -157,6 +157,9 @@ func run() error {
 		if err := suite.RunOutbox(ctx); err != nil {
 			return err
 		}
+		if err := suite.RunInbox(ctx); err != nil { // the consumer side
+			return err
+		}
 	}
 	if enabled[5] {
 		if err := suite.RunCleanup(ctx); err != nil {
