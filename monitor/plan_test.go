@@ -119,7 +119,7 @@ func TestOperatorQueriesReadPartialIndexesNotTables(t *testing.T) {
 			return ignoreNoRows(err)
 		}, []string{"any of", "idempotency_keys_scope_key_uniq", "idempotency_keys_running_created_at_idx"}},
 		{"RedriveMessages", func() error {
-			_, err := q.RedriveMessages(ctx, db.RedriveMessagesParams{RowIds: []int64{-1}, MessageIds: []uuid.UUID{uuid.New()}})
+			_, err := q.RedriveMessages(ctx, db.RedriveMessagesParams{RowIds: []int64{-1}, MessageIds: []string{uuid.NewString()}})
 			return err
 		}, []string{"outbox_messages_dead_idx"}},
 		{"RedriveDeadBatch", func() error {

@@ -98,7 +98,7 @@ func redriveIDs(ctx context.Context, pool *pgxpool.Pool, ids []uuid.UUID, rowIDs
 		q := db.New(tx)
 		rows, err := q.RedriveMessages(ctx, db.RedriveMessagesParams{
 			RowIds:     nonNil(rowIDs),
-			MessageIds: nonNil(ids),
+			MessageIds: uuidStrings(ids),
 		})
 		if err != nil {
 			return err
@@ -185,6 +185,18 @@ func uniq[T comparable](s []T) []T {
 			seen[v] = true
 			out = append(out, v)
 		}
+	}
+	return out
+}
+
+// uuidStrings renders ids as text, bound as text[] and cast to uuid[] in
+// the query: pgx cannot encode a []uuid.UUID without the server's
+// description of the parameter, which the exec and simple_protocol modes
+// (the ones that work behind PgBouncer) never ask for.
+func uuidStrings(ids []uuid.UUID) []string {
+	out := make([]string, len(ids))
+	for i, id := range ids {
+		out[i] = id.String()
 	}
 	return out
 }

@@ -9,6 +9,8 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/atomicphase/atomicphase/internal/opstest"
@@ -207,4 +209,35 @@ func TestRedriveRefusesASelectionThatNamesNothingOrMixesModes(t *testing.T) {
 	}
 	_, err := Redrive(context.Background(), nil, RedriveSelection{All: true})
 	require.ErrorIs(t, err, ErrInvalidRedrive)
+}
+
+// Redrive by message id and by row id works in every pgx query exec mode,
+// including exec and simple_protocol (the modes used behind PgBouncer),
+// which cannot encode a []uuid.UUID parameter as uuid[].
+func TestRedriveByIDInEveryQueryExecMode(t *testing.T) {
+	t.Parallel()
+	for _, mode := range []pgx.QueryExecMode{
+		pgx.QueryExecModeCacheStatement,
+		pgx.QueryExecModeCacheDescribe,
+		pgx.QueryExecModeDescribeExec,
+		pgx.QueryExecModeExec,
+		pgx.QueryExecModeSimpleProtocol,
+	} {
+		t.Run(mode.String(), func(t *testing.T) {
+			t.Parallel()
+			d := pgtest.New(t)
+			pool := d.NewPool(t, func(c *pgxpool.Config) { c.ConnConfig.DefaultQueryExecMode = mode })
+			dead := deadLetter(t, d, Message{Topic: "receipts", Payload: []byte("one")}, Message{Topic: "receipts", Payload: []byte("two")})
+
+			got, err := Redrive(context.Background(), pool, RedriveSelection{IDs: []uuid.UUID{dead[0].ID}, RowIDs: []int64{dead[1].RowID}})
+			require.NoError(t, err)
+			require.Len(t, got, 2)
+			require.Equal(t, dead[0].ID, got[0].ID)
+			require.Equal(t, dead[1].RowID, got[1].RowID)
+
+			_, err = Redrive(context.Background(), pool, RedriveSelection{IDs: []uuid.UUID{dead[0].ID}})
+			require.ErrorIs(t, err, ErrNotDeadLettered, "no longer dead")
+			require.ErrorContains(t, err, dead[0].ID.String())
+		})
+	}
 }

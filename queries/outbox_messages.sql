@@ -144,7 +144,7 @@ WITH picked AS MATERIALIZED (
     SELECT id, attempts, dead_at, last_error
     FROM outbox_messages
     WHERE dead_at IS NOT NULL
-      AND (id = ANY(@row_ids::bigint[]) OR message_id = ANY(@message_ids::uuid[]))
+      AND (id = ANY(@row_ids::bigint[]) OR message_id = ANY((@message_ids::text[])::uuid[]))
     ORDER BY id
     FOR UPDATE
 )

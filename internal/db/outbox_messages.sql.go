@@ -351,7 +351,7 @@ WITH picked AS MATERIALIZED (
     SELECT id, attempts, dead_at, last_error
     FROM outbox_messages
     WHERE dead_at IS NOT NULL
-      AND (id = ANY($1::bigint[]) OR message_id = ANY($2::uuid[]))
+      AND (id = ANY($1::bigint[]) OR message_id = ANY(($2::text[])::uuid[]))
     ORDER BY id
     FOR UPDATE
 )
@@ -366,7 +366,7 @@ RETURNING m.id, m.message_id, m.topic, coalesce(m.ordering_key, '')::text AS ord
 
 type RedriveMessagesParams struct {
 	RowIds     []int64
-	MessageIds []uuid.UUID
+	MessageIds []string
 }
 
 type RedriveMessagesRow struct {
