@@ -89,6 +89,13 @@ func exercise(t *testing.T, newTarget func(*testing.T) target) {
 		cleanerRounds(t, tg.d, tg.pool)
 	})
 	t.Run("reaper", func(t *testing.T) { reaperRound(t, newTarget(t)) })
+	t.Run("redrive", func(t *testing.T) { redriveByIDAndAll(t, newTarget(t)) })
+	t.Run("inbox", func(t *testing.T) { inboxHandleAndDeadLetter(t, newTarget(t)) })
+	t.Run("webhookin", func(t *testing.T) { webhookReceived(t, newTarget(t)) })
+	t.Run("natsin", func(t *testing.T) { natsConsumed(t, newTarget(t)) })
+	t.Run("monitor", func(t *testing.T) { monitorSnapshot(t, newTarget(t)) })
+	t.Run("admin_command", func(t *testing.T) { adminCommands(t, newTarget(t)) })
+	t.Run("reaper_http", func(t *testing.T) { reaperHTTP(t, newTarget(t)) })
 }
 
 // runExactlyOnce: 16 concurrent calls with one key run fn once; retries
