@@ -16,4 +16,11 @@
 // (atomicphase.allow_data_loss = on, or [AllowDataLoss]). The opt-in value
 // that every guarded Down accepts is on: 00004, written before the guard,
 // checks for exactly that.
+//
+// Versions are numbered 1, 2, 3, ... without gaps, except version 7, which
+// is missing for good: 00008 shipped first, and a 00007 added now would be
+// older than a version databases have already applied, which goose refuses
+// (it needs -allow-missing) and so does [Up]. A new migration takes the
+// next number after the newest file; a test fails on any other gap and on
+// a version used twice.
 package migrations
