@@ -293,18 +293,20 @@ func TestCleanerStartRunsRoundsUntilStop(t *testing.T) {
 	d := pgtest.New(t)
 	seed(t, d, 100)
 	c := newCleaner(t, d, cleanup.Config{Interval: 20 * time.Millisecond})
-	require.NoError(t, c.Start(ctx))
+	pgtest.WithLoopLabel(t, ctx, func(ctx context.Context) { require.NoError(t, c.Start(ctx)) })
 	err := c.Start(ctx)
 	require.ErrorIs(t, err, cleanup.ErrAlreadyStarted)
 	requireOnePrefix(t, err)
 	require.Eventually(t, func() bool {
 		return d.Count(t, `SELECT count(*) FROM idempotency_keys`) == 100-d.Count(t, `SELECT count(*) FROM expected_gone WHERE kind = 'key'`)
 	}, 10*time.Second, 10*time.Millisecond)
+	require.Equal(t, 1, pgtest.LoopsRunning(t), "the loop runs")
 	c.Stop()
+	// Stop returned after the loop did: no round can start any more.
+	require.Zero(t, pgtest.LoopsRunning(t), "no round after Stop")
 	c.Stop()
 	exec(t, d, `UPDATE idempotency_keys SET finished_at = now() - interval '2 days' WHERE status <> 'running'`)
-	time.Sleep(100 * time.Millisecond)
-	require.NotZero(t, d.Count(t, `SELECT count(*) FROM idempotency_keys WHERE status <> 'running'`), "no round after Stop")
+	require.NotZero(t, d.Count(t, `SELECT count(*) FROM idempotency_keys WHERE status <> 'running'`))
 }
 
 // A Cleaner whose Start context ended is no longer running: it starts

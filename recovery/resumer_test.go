@@ -11,6 +11,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
+	"github.com/atomicphase/atomicphase/internal/pgtest"
 	"github.com/atomicphase/atomicphase/recovery"
 	"github.com/atomicphase/atomicphase/txn"
 )
@@ -408,7 +409,7 @@ func TestResumerStartRunsRoundsUntilStop(t *testing.T) {
 	ctx := context.Background()
 	f := newFixture(t)
 	r := newResumer(t, f, f.registry, recovery.Config{Interval: 20 * time.Millisecond})
-	require.NoError(t, r.Start(ctx))
+	pgtest.WithLoopLabel(t, ctx, func(ctx context.Context) { require.NoError(t, r.Start(ctx)) })
 	require.ErrorIs(t, r.Start(ctx), recovery.ErrAlreadyStarted)
 
 	f.failOnce("k1", "charge")
@@ -417,14 +418,16 @@ func TestResumerStartRunsRoundsUntilStop(t *testing.T) {
 	f.stall(t, "k1")
 	require.Eventually(t, func() bool { return f.row(t, "k1").Status == "finished" }, 10*time.Second, 10*time.Millisecond)
 
+	require.Equal(t, 1, pgtest.LoopsRunning(t), "the loop runs")
 	r.Stop()
+	// Stop returned after the loop did: no round can start any more.
+	require.Zero(t, pgtest.LoopsRunning(t), "no round runs after Stop")
 	r.Stop() // idempotent
 	f.failOnce("k2", "charge")
 	_, err = f.runner.RunWorkflow(ctx, f.chargeKey("k2", 1), f.wf)
 	require.ErrorIs(t, err, errTransient)
 	f.stall(t, "k2")
-	time.Sleep(100 * time.Millisecond)
-	require.Equal(t, "running", f.row(t, "k2").Status, "no round runs after Stop")
+	require.Equal(t, "running", f.row(t, "k2").Status)
 
 	// Restartable; a cancelled context ends the loop too.
 	cctx, cancel := context.WithCancel(ctx)

@@ -25,7 +25,7 @@ func untilDone(ctx context.Context, t testing.TB, r *txn.Runner, key txn.Key, wf
 		if ctx.Err() != nil {
 			t.Fatalf("key %s never completed: %v", key.Value, err)
 		}
-		time.Sleep(20 * time.Millisecond)
+		time.Sleep(20 * time.Millisecond) // a client's pause before it retries
 	}
 }
 
@@ -126,13 +126,13 @@ func TestDatabaseUnreachableForSecondsLosesNothing(t *testing.T) {
 				if !errors.Is(err, txn.ErrKeyInUse) {
 					failures.Add(1)
 				}
-				time.Sleep(50 * time.Millisecond)
+				time.Sleep(50 * time.Millisecond) // a client's pause before it retries
 			}
 		})
 	}
-	time.Sleep(200 * time.Millisecond)
+	time.Sleep(200 * time.Millisecond) // fault timing: the outage starts with calls in flight
 	proxy.Unreachable()
-	time.Sleep(2 * time.Second)
+	time.Sleep(2 * time.Second) // fault timing: how long the database stays unreachable
 	proxy.Reachable()
 	wg.Wait()
 	require.Positive(t, failures.Load(), "callers saw the outage as transient errors")

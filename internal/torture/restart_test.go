@@ -76,7 +76,7 @@ func TestPostgresRestartUnderLoad(t *testing.T) {
 								t.Errorf("key %d never completed: %v", i, err)
 								return
 							}
-							time.Sleep(50 * time.Millisecond)
+							time.Sleep(50 * time.Millisecond) // a client's pause before it retries
 						}
 					}
 				})

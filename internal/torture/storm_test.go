@@ -97,7 +97,7 @@ func stormOnce(t *testing.T, seed int64) {
 				default:
 					other.Add(1)
 				}
-				time.Sleep(time.Duration(rnd.IntN(5)) * time.Millisecond)
+				time.Sleep(time.Duration(rnd.IntN(5)) * time.Millisecond) // fault timing: a client's random pause before retrying
 			}
 		})
 	}

@@ -1,0 +1,44 @@
+package pgtest
+
+import (
+	"bytes"
+	"context"
+	"runtime/pprof"
+	"strings"
+	"testing"
+)
+
+// loopLabel is the pprof label key WithLoopLabel sets.
+const loopLabel = "pgtest_loop"
+
+// WithLoopLabel returns ctx, and calls start with a context, in a goroutine
+// labelled with tb's name: a background service started inside start (its
+// Start(ctx) call) runs its loop in a goroutine that inherits the label, so
+// that LoopsRunning can find it.
+func WithLoopLabel(tb testing.TB, ctx context.Context, start func(context.Context)) {
+	tb.Helper()
+	pprof.Do(ctx, pprof.Labels(loopLabel, tb.Name()), start)
+}
+
+// LoopsRunning counts the goroutines labelled by WithLoopLabel for tb that
+// still run a background service's loop (internal/service.Lifecycle). A
+// service's Stop returns once its loop has returned, so after Stop this is
+// 0 at once: a test asserts "no round after Stop" without waiting.
+func LoopsRunning(tb testing.TB) int {
+	tb.Helper()
+	var buf bytes.Buffer
+	if err := pprof.Lookup("goroutine").WriteTo(&buf, 1); err != nil {
+		tb.Fatalf("pgtest: goroutine profile: %v", err)
+	}
+	label := `"` + loopLabel + `":"` + tb.Name() + `"`
+	n := 0
+	// debug=1 groups identical goroutines into blocks separated by blank
+	// lines: "N @ pcs", "# labels: {...}", then one "#\tpc\tfunc\tfile" per
+	// frame.
+	for block := range strings.SplitSeq(buf.String(), "\n\n") {
+		if strings.Contains(block, label) && strings.Contains(block, "internal/service.(*Lifecycle).Start") {
+			n++
+		}
+	}
+	return n
+}
