@@ -76,10 +76,18 @@ func TestRelayListenerReconnects(t *testing.T) {
 	require.NotZero(t, old)
 	_, err := d.Pool.Exec(context.Background(), "SELECT pg_terminate_backend($1)", old)
 	require.NoError(t, err)
-	eventually(t, func() bool { p := listenerPID(); return p != 0 && p != old })
-	for len(idle) > 0 { // forget idle reports from before the reconnection
+	// The listener is up again once a new connection listens and the flag
+	// is set (after that connection's LISTEN returned).
+	eventually(t, func() bool { p := listenerPID(); return p != 0 && p != old && r.listening.Load() })
+	// The loop may already have reported going idle on the new connection,
+	// and a report from before the reconnection may be queued: forget them
+	// all and wake the loop once more, so that the next ready report comes
+	// from after the reconnection. (Draining alone could swallow the only
+	// report to come: the test then waited for a report that never came.)
+	for len(idle) > 0 {
 		<-idle
 	}
+	r.signal()
 	waitIdle(t, idle, true)
 
 	enqueue(t, d.Pool, Message{Topic: "t", Payload: []byte("after reconnect")})
