@@ -26,6 +26,9 @@ const (
 	DuplicateTable       = "42P07"
 	DuplicateObject      = "42710"
 	DuplicateFunction    = "42723"
+	// ReadOnlySQLTransaction is what a demoted primary or a standby answers
+	// to a write: after a failover, a client can still reach the old node.
+	ReadOnlySQLTransaction = "25006"
 	// DataLossRefused is raised by atomicphase_refuse_data_loss (migration
 	// 00003) when a down migration would delete rows without the opt-in.
 	DataLossRefused = "AP001"
@@ -93,4 +96,27 @@ func IsConnection(err error) bool {
 		return true
 	}
 	return pgconn.SafeToRetry(err) || pgconn.Timeout(err)
+}
+
+// IsReadOnly reports a write refused because the server accepts only reads:
+// a hot standby, or a primary demoted by a failover that a client reached
+// through a stale connection or DNS entry.
+func IsReadOnly(err error) bool { return Code(err) == ReadOnlySQLTransaction }
+
+// IsUnavailable reports that the database cannot serve the request now but
+// may soon: the connection failed or was refused, the server is starting or
+// shutting down (class 57P), it lacks resources such as connection slots
+// (class 53), it reports a system or I/O error (class 58), or it accepts only
+// reads (a failover in progress). Callers retry later rather than treat the
+// operation as failed; whether a COMMIT sent just before a connection error
+// took effect is still unknown (see IsConnection).
+func IsUnavailable(err error) bool {
+	if err == nil || errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
+		return false
+	}
+	if IsConnection(err) || IsReadOnly(err) {
+		return true
+	}
+	code := Code(err)
+	return len(code) == 5 && (code[:2] == "53" || code[:2] == "58")
 }

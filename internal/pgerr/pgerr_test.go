@@ -4,7 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/stretchr/testify/require"
@@ -29,4 +31,52 @@ func TestClassifiesBySQLSTATE(t *testing.T) {
 	require.False(t, IsServerRejection(wrap(AdminShutdown)), "the server went away: the outcome is unknown")
 	require.False(t, IsServerRejection(context.DeadlineExceeded))
 	require.False(t, IsServerRejection(errors.New("unexpected EOF")))
+}
+
+func TestIsUnavailableBySQLSTATE(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		code string
+		want bool
+	}{
+		{AdminShutdown, true},          // the primary was shut down (failover, restart)
+		{CrashShutdown, true},          // another backend crashed
+		{CannotConnectNow, true},       // starting up, or promotion in progress
+		{ReadOnlySQLTransaction, true}, // a demoted primary or a standby
+		{"53300", true},                // too_many_connections
+		{"53100", true},                // disk_full
+		{"58030", true},                // io_error
+		{SerializationFailure, false},  // retried as a transaction, not an outage
+		{UniqueViolation, false},
+		{"22P02", false},
+		{"42501", false}, // insufficient_privilege: a configuration error
+	} {
+		err := fmt.Errorf("op: %w", &pgconn.PgError{Code: tc.code})
+		require.Equal(t, tc.want, IsUnavailable(err), tc.code)
+	}
+	require.True(t, IsReadOnly(&pgconn.PgError{Code: ReadOnlySQLTransaction}))
+	require.False(t, IsReadOnly(&pgconn.PgError{Code: AdminShutdown}))
+	require.False(t, IsUnavailable(nil))
+	require.False(t, IsUnavailable(context.Canceled))
+	require.False(t, IsUnavailable(context.DeadlineExceeded))
+	require.False(t, IsUnavailable(errors.New("plain")))
+}
+
+func TestConnectionRefusedIsUnavailable(t *testing.T) {
+	t.Parallel()
+	// A port nothing listens on: what clients see while a standby is being
+	// promoted and the old primary is gone.
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	addr := ln.Addr().(*net.TCPAddr)
+	require.NoError(t, ln.Close())
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	conn, err := pgconn.Connect(ctx, fmt.Sprintf("postgres://nobody@127.0.0.1:%d/none?connect_timeout=5", addr.Port))
+	if conn != nil {
+		_ = conn.Close(ctx)
+	}
+	require.Error(t, err)
+	require.True(t, IsUnavailable(err), "%v", err)
+	require.True(t, IsConnection(err), "%v", err)
 }
