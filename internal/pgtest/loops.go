@@ -6,6 +6,8 @@ import (
 	"runtime/pprof"
 	"strings"
 	"testing"
+
+	"github.com/atomicphase/atomicphase/internal/service"
 )
 
 // loopLabel is the pprof label key WithLoopLabel sets.
@@ -21,9 +23,12 @@ func WithLoopLabel(tb testing.TB, ctx context.Context, start func(context.Contex
 }
 
 // LoopsRunning counts the goroutines labelled by WithLoopLabel for tb that
-// still run a background service's loop (internal/service.Lifecycle). A
-// service's Stop returns once its loop has returned, so after Stop this is
-// 0 at once: a test asserts "no round after Stop" without waiting.
+// still run a background service's loop (internal/service.Lifecycle labels
+// its goroutine with service.RunLabel while the run runs). A service's Stop
+// returns once its loop has returned, so after Stop this is 0 at once: a
+// test asserts "no round after Stop" without waiting. (A goroutine that has
+// closed its done channel but not yet exited carries the test's label and
+// the Lifecycle frame, but no longer the run label.)
 func LoopsRunning(tb testing.TB) int {
 	tb.Helper()
 	var buf bytes.Buffer
@@ -31,12 +36,13 @@ func LoopsRunning(tb testing.TB) int {
 		tb.Fatalf("pgtest: goroutine profile: %v", err)
 	}
 	label := `"` + loopLabel + `":"` + tb.Name() + `"`
+	running := `"` + service.RunLabel + `":"run"`
 	n := 0
 	// debug=1 groups identical goroutines into blocks separated by blank
 	// lines: "N @ pcs", "# labels: {...}", then one "#\tpc\tfunc\tfile" per
 	// frame.
 	for block := range strings.SplitSeq(buf.String(), "\n\n") {
-		if strings.Contains(block, label) && strings.Contains(block, "internal/service.(*Lifecycle).Start") {
+		if strings.Contains(block, label) && strings.Contains(block, running) {
 			n++
 		}
 	}

@@ -7,9 +7,16 @@ package service
 import (
 	"context"
 	"errors"
+	"runtime/pprof"
 	"sync"
 	"time"
 )
+
+// RunLabel is the pprof label set on a service's goroutine for as long as
+// its run function runs (value "run"): goroutine and CPU profiles show which
+// goroutines are service loops, and a goroutine that has returned from its
+// run but not yet exited no longer carries it.
+const RunLabel = "atomicphase_service"
 
 // ErrAlreadyStarted: Start was called on a service that is running. Each
 // service package exports it under the same name, so errors.Is matches it
@@ -51,7 +58,7 @@ func (l *Lifecycle) Start(ctx context.Context, prepare func(context.Context) err
 	go func() {
 		defer close(done)
 		defer cancel()
-		run(runCtx)
+		pprof.Do(runCtx, pprof.Labels(RunLabel, "run"), run)
 	}()
 	return nil
 }

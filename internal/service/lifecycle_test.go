@@ -10,6 +10,7 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/atomicphase/atomicphase/cleanup"
+	"github.com/atomicphase/atomicphase/internal/pgtest"
 	"github.com/atomicphase/atomicphase/internal/service"
 	"github.com/atomicphase/atomicphase/outbox"
 	"github.com/atomicphase/atomicphase/recovery"
@@ -135,4 +136,22 @@ func TestEveryServiceSharesOneAlreadyStartedError(t *testing.T) {
 	}
 	require.ErrorIs(t, outbox.ErrAlreadyStarted, cleanup.ErrAlreadyStarted)
 	require.ErrorIs(t, recovery.ErrAlreadyStarted, outbox.ErrAlreadyStarted)
+}
+
+// Stop returns once the run has returned, so a loop count taken right after
+// Stop is 0 every time: the goroutine closing done after its run must not
+// be counted as a loop still running (that race failed a CI run).
+func TestNoLoopRunningRightAfterStop(t *testing.T) {
+	t.Parallel()
+	for i := range 500 {
+		var l service.Lifecycle
+		started := make(chan struct{}, 1)
+		pgtest.WithLoopLabel(t, context.Background(), func(ctx context.Context) {
+			require.NoError(t, l.Start(ctx, nil, block(started)))
+		})
+		<-started
+		require.Equal(t, 1, pgtest.LoopsRunning(t), "iteration %d: the loop runs", i)
+		l.Stop()
+		require.Zero(t, pgtest.LoopsRunning(t), "iteration %d: no loop after Stop", i)
+	}
 }
