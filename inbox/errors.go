@@ -27,6 +27,16 @@ var (
 	// written; the message is left to be delivered again.
 	ErrConflict = errors.New("transaction conflict persisted after retries")
 
+	// ErrUnavailable: the database could not be reached, refused the
+	// connection, is shutting down or starting, or accepts only reads (a
+	// failover in progress). The handler's writes did not commit, or, if the
+	// connection failed during COMMIT, may have: either way the message is
+	// left to be delivered again, and a redelivery after a commit that did
+	// take effect is acknowledged as a Duplicate. It is not the handler's
+	// failure, so adapters do not count it towards giving up on the message
+	// (see natsin and webhookin).
+	ErrUnavailable = errors.New("database unavailable")
+
 	// ErrPanicked: the handler panicked. Its transaction rolled back, as
 	// for any handler error; the *PanicError carries the value.
 	ErrPanicked = errors.New("handler panicked")

@@ -57,6 +57,7 @@ type Stats struct {
 	Conflicts    uint64 // deliveries abandoned with ErrConflict after retries
 	Retries      uint64 // transaction retries after serialization failures or deadlocks
 	DeadLettered uint64 // messages recorded as dead letters
+	Unavailable  uint64 // deliveries that found the database unavailable (ErrUnavailable), rolled back
 }
 
 // Inbox handles messages exactly once per consumer. It is safe for
@@ -68,7 +69,7 @@ type Inbox struct {
 	log   *slog.Logger
 	retry backoff.Policy // the wait before a transaction's retry
 
-	handled, duplicates, failed, conflicts, retries, deadLettered atomic.Uint64
+	handled, duplicates, failed, conflicts, retries, deadLettered, unavailable atomic.Uint64
 }
 
 // New returns an Inbox on pool for cfg.Consumer. Invalid values give an
@@ -100,6 +101,7 @@ func (in *Inbox) Stats() Stats {
 		Conflicts:    in.conflicts.Load(),
 		Retries:      in.retries.Load(),
 		DeadLettered: in.deadLettered.Load(),
+		Unavailable:  in.unavailable.Load(),
 	}
 }
 
@@ -130,7 +132,12 @@ func (in *Inbox) CheckHorizon(horizon time.Duration, what string) error {
 //     Config.MaxRetries times (then ErrConflict);
 //   - a concurrent delivery of the same message waits for the first one's
 //     transaction, then finds its row (Duplicate) or, if it rolled back,
-//     handles the message itself.
+//     handles the message itself;
+//   - a database that cannot be reached or cannot take writes (a failed
+//     connection, a server shutting down or starting, a read-only server
+//     during a failover), whether Handle's statements or fn's met it, gives
+//     an error wrapping ErrUnavailable: the message is left to be
+//     delivered again, and it is not the handler's failure.
 //
 // So acknowledge the message to the broker when Handle returns nil (either
 // outcome), and leave it for redelivery when it returns an error.
@@ -157,6 +164,9 @@ func (in *Inbox) Handle(ctx context.Context, messageID string, fn Func) (Outcome
 		case err == nil:
 			in.handled.Add(1)
 			return out, nil
+		case pgerr.IsUnavailable(err):
+			in.unavailable.Add(1)
+			return 0, fmt.Errorf("inbox: handle: %w: %w", ErrUnavailable, err)
 		case !pgerr.IsRetryable(err):
 			in.failed.Add(1)
 			return 0, fmt.Errorf("inbox: handle: %w", err)
@@ -278,6 +288,9 @@ func (in *Inbox) DeadLetter(ctx context.Context, msg Message, cause error) (bool
 	}
 	n, err := in.q.DeadLetterInboxMessage(ctx, p)
 	if err != nil {
+		if pgerr.IsUnavailable(err) {
+			return false, fmt.Errorf("inbox: dead letter: %w: %w", ErrUnavailable, err)
+		}
 		return false, fmt.Errorf("inbox: dead letter: %w", err)
 	}
 	if n == 0 {

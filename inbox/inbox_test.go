@@ -95,6 +95,40 @@ func TestHandlerErrorRollsBackAndLeavesTheMessageForRedelivery(t *testing.T) {
 	require.Equal(t, inbox.Stats{Handled: 1, Failed: 1}, in.Stats())
 }
 
+// A database that cannot be reached, or that takes no writes (a server in
+// recovery or a demoted primary during a failover: SQLSTATE 25006), is not
+// the handler's failure: Handle says ErrUnavailable, counts it apart from
+// handler failures, and the redelivery once the database is back is handled.
+func TestDatabaseUnavailableIsErrUnavailableNotAHandlerFailure(t *testing.T) {
+	t.Parallel()
+	d := setup(t)
+	ctx := context.Background()
+	var runs atomic.Int64
+
+	readOnly := d.NewPool(t, func(c *pgxpool.Config) {
+		c.ConnConfig.RuntimeParams["default_transaction_read_only"] = "on"
+	})
+	in := newInbox(t, readOnly, "receipts")
+	_, err := in.Handle(ctx, "m1", effect("receipts", "m1", &runs))
+	require.ErrorIs(t, err, inbox.ErrUnavailable)
+	require.Equal(t, inbox.Stats{Unavailable: 1}, in.Stats())
+
+	proxy, pool := d.NewProxy(t)
+	in = newInbox(t, pool, "receipts")
+	proxy.Unreachable()
+	_, err = in.Handle(ctx, "m1", effect("receipts", "m1", &runs))
+	require.ErrorIs(t, err, inbox.ErrUnavailable)
+	require.Equal(t, inbox.Stats{Unavailable: 1}, in.Stats())
+	require.Zero(t, d.Count(t, `SELECT count(*) FROM inbox_messages`))
+
+	proxy.Reachable()
+	out, err := in.Handle(ctx, "m1", effect("receipts", "m1", &runs))
+	require.NoError(t, err)
+	require.Equal(t, inbox.Handled, out)
+	require.Equal(t, 1, d.Count(t, `SELECT count(*) FROM effects`))
+	require.Equal(t, inbox.Stats{Handled: 1, Unavailable: 1}, in.Stats())
+}
+
 func TestHandlerPanicIsAnErrorAndRollsBack(t *testing.T) {
 	t.Parallel()
 	d := setup(t)

@@ -80,6 +80,6 @@ func Example() {
 	fmt.Println(body)
 	// Output:
 	// received: 1 <nil>
-	// {Acked:1 Duplicates:0 Failed:0 DeadLettered:0 Rejected:0 AckErrors:0}
+	// {Acked:1 Duplicates:0 Failed:0 DeadLettered:0 Rejected:0 AckErrors:0 Unavailable:0}
 	// {"ride_id":42}
 }

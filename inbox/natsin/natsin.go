@@ -152,6 +152,7 @@ type Stats struct {
 	DeadLettered uint64 // messages recorded as dead letters after their last delivery failed
 	Rejected     uint64 // messages terminated before any SQL: no usable id
 	AckErrors    uint64 // acknowledgements the client could not send (the message comes again)
+	Unavailable  uint64 // tries that found the database unavailable; the message was held, not NAKed
 }
 
 // Consumer handles the messages of a JetStream pull consumer through an
@@ -169,7 +170,8 @@ type Consumer struct {
 	prep    *prepared
 	running service.Lifecycle
 
-	acked, duplicates, failed, deadLettered, rejected, ackErrors atomic.Uint64
+	acked, duplicates, failed, deadLettered, rejected, ackErrors, unavailable atomic.Uint64
+	outage                                                                    atomic.Bool // the database was last found unavailable
 }
 
 // prepared is what the consumer read from the server before running.
@@ -207,6 +209,7 @@ func (c *Consumer) Stats() Stats {
 	return Stats{
 		Acked: c.acked.Load(), Duplicates: c.duplicates.Load(), Failed: c.failed.Load(),
 		DeadLettered: c.deadLettered.Load(), Rejected: c.rejected.Load(), AckErrors: c.ackErrors.Load(),
+		Unavailable: c.unavailable.Load(),
 	}
 }
 
@@ -347,11 +350,12 @@ func (c *Consumer) handle(ctx context.Context, p *prepared, m jetstream.Msg) {
 		ID: id, Subject: m.Subject(), Data: m.Data(), Header: m.Headers(), Delivery: delivery,
 		StreamSequence: meta.Sequence.Stream, Published: meta.Timestamp,
 	}
-	// The handler runs until the server would deliver the message again,
-	// not until the caller stops: a stop finishes what it received.
-	hctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), p.ackWaitFor(delivery))
-	defer cancel()
-	out, err := c.in.Handle(hctx, id, func(ctx context.Context, tx pgx.Tx) error { return c.handler(ctx, tx, msg) })
+	out, err := c.handleHeld(ctx, p, m, msg)
+	if errors.Is(err, inbox.ErrUnavailable) {
+		// Stopping during a database outage: the message is left
+		// unacknowledged, and the server delivers it again after AckWait.
+		return
+	}
 	if err == nil {
 		if out == inbox.Duplicate {
 			c.duplicates.Add(1)
@@ -364,7 +368,7 @@ func (c *Consumer) handle(ctx context.Context, p *prepared, m jetstream.Msg) {
 	attrs := []any{"consumer", meta.Consumer, "message_id", id, "subject", msg.Subject,
 		"delivery", delivery, "max_deliver", p.maxDeliver, "error", err}
 	if p.maxDeliver > 0 && delivery >= p.maxDeliver {
-		c.deadLetter(ctx, m, msg, err, attrs)
+		c.deadLetter(ctx, p, m, msg, err, attrs)
 		return
 	}
 	c.failed.Add(1)
@@ -373,20 +377,78 @@ func (c *Consumer) handle(ctx context.Context, p *prepared, m jetstream.Msg) {
 	c.settle(ctx, m.NakWithDelay(delay))
 }
 
+// handleHeld handles one delivery through the inbox. The handler runs until
+// the server would deliver the message again, not until the caller stops:
+// a stop finishes what it received. While the database is unavailable
+// (inbox.ErrUnavailable) the message is held, not NAKed: the consumer
+// tells the server it is still working on it (which restarts its
+// AckWait), waits, and tries again, so an outage of any length spends no
+// delivery towards MaxDeliver. Only a stop ends the wait, returning the
+// ErrUnavailable error.
+func (c *Consumer) handleHeld(ctx context.Context, p *prepared, m jetstream.Msg, msg Message) (inbox.Outcome, error) {
+	fn := func(ctx context.Context, tx pgx.Tx) error { return c.handler(ctx, tx, msg) }
+	return holdThroughOutage(ctx, c, p, m, msg, func() (inbox.Outcome, error) {
+		hctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), p.ackWaitFor(msg.Delivery))
+		defer cancel()
+		return c.in.Handle(hctx, msg.ID, fn)
+	})
+}
+
+// holdThroughOutage calls try until it returns anything but an error
+// wrapping inbox.ErrUnavailable, or ctx ends. Between tries it marks m in
+// progress, at least three times per AckWait, so the server does not
+// deliver it again meanwhile.
+func holdThroughOutage[T any](ctx context.Context, c *Consumer, p *prepared, m jetstream.Msg, msg Message, try func() (T, error)) (T, error) {
+	wait := backoff.Policy{Base: outageRetryBase, Max: max(min(outageRetryMax, p.ackWaitFor(msg.Delivery)/3), time.Millisecond)}
+	for n := 0; ; n++ {
+		v, err := try()
+		if !errors.Is(err, inbox.ErrUnavailable) {
+			if err == nil && c.outage.CompareAndSwap(true, false) {
+				c.log.InfoContext(ctx, "natsin: the database is available again; handling resumes",
+					"stream", c.cfg.Stream, "consumer", c.cfg.Consumer)
+			}
+			return v, err
+		}
+		c.unavailable.Add(1)
+		if c.outage.CompareAndSwap(false, true) {
+			c.log.WarnContext(ctx, "natsin: the database is unavailable; holding the messages received, without spending their deliveries, until it answers",
+				"stream", c.cfg.Stream, "consumer", c.cfg.Consumer, "message_id", msg.ID, "error", err)
+		}
+		if ctx.Err() != nil {
+			return v, err
+		}
+		c.settle(ctx, m.InProgress())
+		if backoff.Sleep(ctx, wait.Delay(n)) != nil {
+			return v, err
+		}
+	}
+}
+
+// The wait between tries while the database is unavailable: 100 ms,
+// doubling up to 2 s (and to a third of the message's AckWait).
+const (
+	outageRetryBase = 100 * time.Millisecond
+	outageRetryMax  = 2 * time.Second
+)
+
 // deadLetter records a message whose last delivery failed, and terminates
 // it; if it was handled meanwhile (a concurrent delivery committed), it is
-// acknowledged instead.
-func (c *Consumer) deadLetter(ctx context.Context, m jetstream.Msg, msg Message, cause error, attrs []any) {
-	dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), deadLetterTimeout)
-	defer cancel()
-	recorded, err := c.in.DeadLetter(dctx, inbox.Message{
-		ID: msg.ID, Topic: msg.Subject, Payload: msg.Data, Headers: msg.Header, Deliveries: msg.Delivery,
-	}, cause)
+// acknowledged instead. A message is never terminated without its dead
+// letter: while the database is unavailable the message is held (see
+// handleHeld), and if the dead letter cannot be recorded for another reason,
+// or the consumer stops, the message is left unacknowledged in the stream.
+func (c *Consumer) deadLetter(ctx context.Context, p *prepared, m jetstream.Msg, msg Message, cause error, attrs []any) {
+	recorded, err := holdThroughOutage(ctx, c, p, m, msg, func() (bool, error) {
+		dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), deadLetterTimeout)
+		defer cancel()
+		return c.in.DeadLetter(dctx, inbox.Message{
+			ID: msg.ID, Topic: msg.Subject, Payload: msg.Data, Headers: msg.Header, Deliveries: msg.Delivery,
+		}, cause)
+	})
 	switch {
 	case err != nil:
-		c.log.ErrorContext(ctx, "natsin: last delivery failed and the dead letter could not be recorded; the message stays in the stream, undelivered",
+		c.log.ErrorContext(ctx, "natsin: last delivery failed and the dead letter could not be recorded; the message is left unacknowledged in the stream, not terminated",
 			append(attrs, "dead_letter_error", err, "stream_seq", msg.StreamSequence)...)
-		c.settle(ctx, m.Term())
 	case recorded:
 		c.deadLettered.Add(1)
 		c.settle(ctx, m.Term())

@@ -62,5 +62,5 @@ func Example() {
 	// answered 2xx: true
 	// answered 2xx: true
 	// events: 1
-	// {Handled:1 Duplicates:1 Rejected:0 Failed:0}
+	// {Handled:1 Duplicates:1 Rejected:0 Failed:0 Unavailable:0}
 }

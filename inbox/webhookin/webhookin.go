@@ -112,6 +112,10 @@ type Stats struct {
 	Duplicates uint64 // calls answered 204 without running the handler (webhook-id seen before)
 	Rejected   uint64 // calls refused before any SQL: bad method, body, signature or id
 	Failed     uint64 // calls answered 409, 500 or 503 after the handler failed or was cut short
+	// Unavailable counts calls answered 503 because PostgreSQL could not be
+	// reached or would not write (inbox.ErrUnavailable): not handler
+	// failures; the sender's retry is handled once the database is back.
+	Unavailable uint64
 }
 
 // Handler is an http.Handler that receives webhooks through an inbox.
@@ -123,7 +127,7 @@ type Handler struct {
 	log     *slog.Logger
 	now     func() time.Time
 
-	handled, duplicates, rejected, failed atomic.Uint64
+	handled, duplicates, rejected, failed, unavailable atomic.Uint64
 }
 
 // New returns a Handler that runs fn for each verified webhook, through
@@ -150,7 +154,8 @@ func New(in *inbox.Inbox, fn Func, cfg *Config) (*Handler, error) {
 
 // Stats returns the handler's counters.
 func (h *Handler) Stats() Stats {
-	return Stats{Handled: h.handled.Load(), Duplicates: h.duplicates.Load(), Rejected: h.rejected.Load(), Failed: h.failed.Load()}
+	return Stats{Handled: h.handled.Load(), Duplicates: h.duplicates.Load(), Rejected: h.rejected.Load(),
+		Failed: h.failed.Load(), Unavailable: h.unavailable.Load()}
 }
 
 // ServeHTTP receives one webhook call. Before any SQL it answers 405 to a
@@ -164,9 +169,11 @@ func (h *Handler) Stats() Stats {
 //   - 204 once the handler's writes committed, or at once when the
 //     webhook-id was handled before (the handler does not run again);
 //   - 409 with Retry-After when its transaction kept conflicting
-//     (inbox.ErrConflict), 503 when the call was cut short, and 500 when
-//     the handler failed: nothing was written, and the sender's retry is
-//     handled.
+//     (inbox.ErrConflict), 503 with Retry-After when the database could not
+//     be reached or would not write (inbox.ErrUnavailable: an outage or a
+//     failover, not the handler's failure), 503 when the call was cut
+//     short, and 500 when the handler failed: nothing was written, and the
+//     sender's retry is handled.
 //
 // Senders retry 409 and 5xx (atomicphase's webhook publisher does).
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
@@ -205,6 +212,14 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			h.handled.Add(1)
 		}
 		w.WriteHeader(http.StatusNoContent)
+		return
+	}
+	if errors.Is(err, inbox.ErrUnavailable) && r.Context().Err() == nil {
+		h.unavailable.Add(1)
+		w.Header().Set("Retry-After", "2")
+		h.problem(w, http.StatusServiceUnavailable, "database unavailable, retry")
+		h.log.WarnContext(r.Context(), "webhookin: database unavailable; the sender's retry will be handled",
+			"inbox_consumer", h.in.Config().Consumer, "webhook_id", id, "topic", req.Topic, "error", err)
 		return
 	}
 	h.failed.Add(1)

@@ -225,6 +225,43 @@ func TestFailuresAreAnswered5xxAndTheRetryIsHandled(t *testing.T) {
 	require.Equal(t, webhookin.Stats{Handled: 1, Failed: 3}, e.h.Stats())
 }
 
+// A database outage is not a handler failure: the call is answered 503
+// with Retry-After (the sender's retry is handled once PostgreSQL is back),
+// not 500, and the outage is counted apart from handler failures.
+func TestDatabaseOutageIsAnswered503WithRetryAfter(t *testing.T) {
+	t.Parallel()
+	var runs atomic.Int64
+	var proxy *pgtest.Proxy
+	e := newEnv(t, func(d *pgtest.DB) *pgxpool.Pool {
+		var pool *pgxpool.Pool
+		proxy, pool = d.NewProxy(t)
+		return pool
+	}, writeEffect(&runs))
+	body := []byte(`{"ride_id":7}`)
+
+	proxy.Unreachable()
+	req, err := http.NewRequest("POST", e.srv.URL, bytes.NewReader(body))
+	require.NoError(t, err)
+	for k, v := range sign(t, secret, "msg_outage", time.Now(), body) {
+		req.Header[k] = v
+	}
+	resp, err := http.DefaultClient.Do(req)
+	require.NoError(t, err)
+	answer, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	require.Equal(t, http.StatusServiceUnavailable, resp.StatusCode, string(answer))
+	require.NotEmpty(t, resp.Header.Get("Retry-After"))
+	require.Zero(t, runs.Load(), "the handler did not run without a database")
+	require.Equal(t, webhookin.Stats{Unavailable: 1}, e.h.Stats())
+
+	proxy.Reachable()
+	status, _ := e.post(t, "POST", sign(t, secret, "msg_outage", time.Now(), body), body)
+	require.Equal(t, http.StatusNoContent, status)
+	require.Equal(t, int64(1), runs.Load())
+	require.Equal(t, 1, e.d.Count(t, `SELECT count(*) FROM effects`))
+	require.Equal(t, webhookin.Stats{Handled: 1, Unavailable: 1}, e.h.Stats())
+}
+
 // A sender that retries while its first call is still running gets 204 on
 // both; the handler runs once.
 func TestConcurrentRetriesOfOneWebhookRunTheHandlerOnce(t *testing.T) {
