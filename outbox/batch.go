@@ -34,6 +34,7 @@ type failure struct {
 	err   error
 	delay time.Duration
 	dead  bool
+	down  bool // the destination was unavailable: no attempt counted
 }
 
 // runBatch claims, publishes and records one batch in one transaction.
@@ -148,7 +149,10 @@ func (r *Relay) record(ctx context.Context, q *db.Queries, envs []Envelope, outc
 		case o.err == nil:
 			ok = append(ok, envs[i].RowID)
 		default:
-			dead := errors.Is(o.err, ErrPermanent) || envs[i].Attempt >= r.cfg.MaxAttempts
+			// An unavailable destination says nothing about the message: no
+			// attempt is counted, so an outage never dead-letters.
+			down := errors.Is(o.err, ErrUnavailable) && !errors.Is(o.err, ErrPermanent)
+			dead := !down && (errors.Is(o.err, ErrPermanent) || envs[i].Attempt >= r.cfg.MaxAttempts)
 			var delay time.Duration
 			if !dead {
 				delay = r.retry.Delay(envs[i].Attempt - 1)
@@ -160,7 +164,8 @@ func (r *Relay) record(ctx context.Context, q *db.Queries, envs []Envelope, outc
 			fail.Errors = append(fail.Errors, errorText(o.err))
 			fail.DelaysUs = append(fail.DelaysUs, delay.Microseconds())
 			fail.Dead = append(fail.Dead, dead)
-			failures = append(failures, failure{&envs[i], o.err, delay, dead})
+			fail.Counted = append(fail.Counted, !down)
+			failures = append(failures, failure{&envs[i], o.err, delay, dead, down})
 		}
 	}
 	if len(ok) > 0 {
@@ -190,6 +195,10 @@ func (r *Relay) report(published int, failures []failure) {
 		if f.dead {
 			r.dead.Add(1)
 			r.log.Error("outbox: message dead-lettered", attrs...)
+		} else if f.down {
+			r.down.Add(1)
+			r.log.Warn("outbox: destination unavailable; will retry without counting an attempt",
+				append(attrs, "retry_in", f.delay)...)
 		} else {
 			r.retried.Add(1)
 			r.log.Warn("outbox: publish failed; will retry", append(attrs, "retry_in", f.delay)...)

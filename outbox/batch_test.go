@@ -163,6 +163,54 @@ func TestRelayDeadLettersAndReleasesKey(t *testing.T) {
 	require.Equal(t, Stats{Published: 4, Retried: 2, Dead: 1}, stats)
 }
 
+// A destination that is down (a broker outage, a receiver refusing
+// connections) is not the message's failure: a publisher reports it with
+// Unavailable, the relay retries with backoff without counting an attempt,
+// and an outage of any length dead-letters nothing. Here the outage outlasts
+// MaxAttempts tries; the message is published when the broker is back.
+func TestRelayUnavailableDestinationSpendsNoAttempt(t *testing.T) {
+	t.Parallel()
+	d := pgtest.New(t)
+	enqueue(t, d.Pool, Message{Topic: "t", OrderingKey: "k", Payload: []byte("k1")},
+		Message{Topic: "t", OrderingKey: "k", Payload: []byte("k2")})
+	var down atomic.Bool
+	down.Store(true)
+	var tries atomic.Int64
+	rec := &recorder{fail: func(e Envelope) error {
+		if down.Load() {
+			tries.Add(1)
+			return Unavailable(errors.New("nats: connection closed"))
+		}
+		return nil
+	}}
+	r := newTestRelay(t, d.Pool, PublisherFunc(rec.publish),
+		Config{MaxAttempts: 2, RetryBaseDelay: time.Millisecond, RetryMaxDelay: time.Millisecond})
+	eventually(t, func() bool {
+		_, err := r.RunOnce(context.Background())
+		require.NoError(t, err)
+		return tries.Load() >= 5
+	})
+	require.Equal(t, 1, d.Count(t, `SELECT count(*) FROM outbox_messages WHERE payload = 'k1'
+		AND attempts = 0 AND dead_at IS NULL AND published_at IS NULL AND last_error LIKE '%connection closed%'`),
+		"no attempt counted, not dead-lettered, the error kept")
+	require.Equal(t, 1, d.Count(t, `SELECT count(*) FROM outbox_messages WHERE payload = 'k2' AND attempts = 0`),
+		"its key held back behind it")
+
+	down.Store(false)
+	eventually(t, func() bool {
+		_, err := r.RunOnce(context.Background())
+		require.NoError(t, err)
+		return len(rec.published()) == 2
+	})
+	require.Equal(t, []string{"k1", "k2"}, rec.payloads()[len(rec.payloads())-2:])
+	require.Zero(t, d.Count(t, `SELECT count(*) FROM outbox_messages WHERE dead_at IS NOT NULL`))
+	stats, err := r.Stats(context.Background())
+	require.NoError(t, err)
+	require.Zero(t, stats.Dead)
+	require.Equal(t, uint64(2), stats.Published)
+	require.GreaterOrEqual(t, stats.Unavailable, uint64(5))
+}
+
 // A permanent failure dead-letters at once, without retries.
 func TestRelayPermanentErrorDeadLettersAtOnce(t *testing.T) {
 	t.Parallel()

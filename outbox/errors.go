@@ -50,6 +50,14 @@ var (
 	// at once instead of retrying it. Wrap an error with [Permanent].
 	ErrPermanent = errors.New("outbox: permanent publish failure")
 
+	// ErrUnavailable marks a publish failure of the destination as a whole,
+	// not of the message: the broker or receiver could not be reached, or
+	// said it is unavailable. The relay retries such a message with its
+	// usual backoff but counts no attempt, so an outage of any length
+	// dead-letters nothing (watch Stats.OldestPendingAge instead). Wrap an
+	// error with [Unavailable].
+	ErrUnavailable = errors.New("outbox: destination unavailable")
+
 	// ErrInvalidRedrive: Redrive was given no pool, or a selection that
 	// names nothing or mixes All with ids. Nothing changed.
 	ErrInvalidRedrive = errors.New("outbox: invalid redrive selection")
@@ -73,6 +81,25 @@ type permanentError struct{ err error }
 
 func (e *permanentError) Error() string   { return "permanent: " + e.err.Error() }
 func (e *permanentError) Unwrap() []error { return []error{ErrPermanent, e.err} }
+
+// Unavailable wraps err so that errors.Is(result, ErrUnavailable) holds,
+// telling the relay that the destination, not the message, failed: it
+// retries without counting an attempt. Use it only for failures that say
+// nothing about the message (a closed connection, a refused dial, an HTTP
+// 502 or 503), or a message the destination always refuses that way is
+// retried for ever. errors.Is and errors.As still see err (a RetryAfter
+// inside is honoured). Unavailable(nil) returns nil.
+func Unavailable(err error) error {
+	if err == nil {
+		return nil
+	}
+	return &unavailableError{err: err}
+}
+
+type unavailableError struct{ err error }
+
+func (e *unavailableError) Error() string   { return e.err.Error() }
+func (e *unavailableError) Unwrap() []error { return []error{ErrUnavailable, e.err} }
 
 // RetryAfter wraps err with the least delay before the message is tried
 // again, as a receiver asks with an HTTP Retry-After header. The relay waits

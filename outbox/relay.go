@@ -24,6 +24,9 @@ type Stats struct {
 	Retried uint64
 	// Dead counts messages this relay dead-lettered.
 	Dead uint64
+	// Unavailable counts publishes that found the destination unavailable
+	// (ErrUnavailable): scheduled for a retry without counting an attempt.
+	Unavailable uint64
 	// OldestPendingAge is how long ago, by the database clock, the oldest
 	// message that is neither published nor dead-lettered was staged;
 	// 0 when there is none. A growing value means the relays are behind
@@ -44,6 +47,7 @@ type Relay struct {
 	published atomic.Uint64
 	retried   atomic.Uint64
 	dead      atomic.Uint64
+	down      atomic.Uint64 // publishes that found the destination unavailable
 
 	wake      chan struct{} // a pending wake-up for the loop; capacity 1
 	listening atomic.Bool   // the listener holds a LISTENing connection
@@ -177,6 +181,8 @@ func (r *Relay) Stats(ctx context.Context) (Stats, error) {
 		Published: r.published.Load(),
 		Retried:   r.retried.Load(),
 		Dead:      r.dead.Load(),
+
+		Unavailable: r.down.Load(),
 	}
 	age, err := db.New(r.pool).OldestPendingAge(ctx)
 	if err != nil {

@@ -102,9 +102,10 @@ WHERE id = ANY(@ids::bigint[]) AND published_at IS NULL AND dead_at IS NULL;
 -- name: RecordFailures :exec
 -- Records failed publishes, in the claiming transaction: each row either
 -- waits delay_us from this statement (after the failure) before its next
--- attempt, or is dead-lettered now, by the database clock.
+-- attempt, or is dead-lettered now, by the database clock. A failure that
+-- was the destination's (counted false: an outage) counts no attempt.
 UPDATE outbox_messages AS m
-SET attempts = m.attempts + 1,
+SET attempts = m.attempts + CASE WHEN f.counted THEN 1 ELSE 0 END,
     last_error = f.last_error,
     available_at = CASE WHEN f.dead THEN m.available_at
                         ELSE statement_timestamp() + f.delay_us * interval '1 microsecond' END,
@@ -113,7 +114,8 @@ FROM (
     SELECT unnest(@ids::bigint[]) AS id,
            unnest(@errors::text[]) AS last_error,
            unnest(@delays_us::bigint[]) AS delay_us,
-           unnest(@dead::boolean[]) AS dead
+           unnest(@dead::boolean[]) AS dead,
+           unnest(@counted::boolean[]) AS counted
 ) AS f
 WHERE m.id = f.id AND m.published_at IS NULL AND m.dead_at IS NULL;
 

@@ -244,7 +244,7 @@ func (q *Queries) OldestPendingAge(ctx context.Context) (float64, error) {
 
 const recordFailures = `-- name: RecordFailures :exec
 UPDATE outbox_messages AS m
-SET attempts = m.attempts + 1,
+SET attempts = m.attempts + CASE WHEN f.counted THEN 1 ELSE 0 END,
     last_error = f.last_error,
     available_at = CASE WHEN f.dead THEN m.available_at
                         ELSE statement_timestamp() + f.delay_us * interval '1 microsecond' END,
@@ -253,7 +253,8 @@ FROM (
     SELECT unnest($1::bigint[]) AS id,
            unnest($2::text[]) AS last_error,
            unnest($3::bigint[]) AS delay_us,
-           unnest($4::boolean[]) AS dead
+           unnest($4::boolean[]) AS dead,
+           unnest($5::boolean[]) AS counted
 ) AS f
 WHERE m.id = f.id AND m.published_at IS NULL AND m.dead_at IS NULL
 `
@@ -263,17 +264,20 @@ type RecordFailuresParams struct {
 	Errors   []string
 	DelaysUs []int64
 	Dead     []bool
+	Counted  []bool
 }
 
 // Records failed publishes, in the claiming transaction: each row either
 // waits delay_us from this statement (after the failure) before its next
-// attempt, or is dead-lettered now, by the database clock.
+// attempt, or is dead-lettered now, by the database clock. A failure that
+// was the destination's (counted false: an outage) counts no attempt.
 func (q *Queries) RecordFailures(ctx context.Context, arg RecordFailuresParams) error {
 	_, err := q.db.Exec(ctx, recordFailures,
 		arg.Ids,
 		arg.Errors,
 		arg.DelaysUs,
 		arg.Dead,
+		arg.Counted,
 	)
 	return err
 }

@@ -61,8 +61,10 @@ type Config struct {
 // and record: consumers that must be exact then deduplicate on Nats-Msg-Id.
 //
 // An invalid subject or a message larger than the server or stream accepts is
-// a permanent failure (outbox.ErrPermanent); a missing stream, a timeout or a
-// disconnection is retried.
+// a permanent failure (outbox.ErrPermanent); a missing stream or a timeout is
+// retried. A publish that meets a connection that is down (closed,
+// reconnecting) is outbox.Unavailable: retried without counting an attempt,
+// so a broker outage of any length dead-letters nothing.
 type Publisher struct {
 	js  jetstream.JetStream
 	cfg Config
@@ -139,9 +141,26 @@ func (p *Publisher) publishOne(ctx context.Context, e *outbox.Envelope) error {
 			(errors.As(err, &apiErr) && apiErr.ErrorCode == jetstream.JSErrCodeStreamMessageExceedsMaximum) {
 			return outbox.Permanent(err)
 		}
+		if p.disconnected(err) {
+			return outbox.Unavailable(fmt.Errorf("natspub: connection %v: %w", p.js.Conn().Status(), err))
+		}
 		return err
 	}
 	return nil
+}
+
+// disconnected reports whether a failed publish met a connection that is
+// down (closed, reconnecting or draining): an outage of the broker or of the
+// way to it, which says nothing about the message. A stream that does not
+// answer while connected (no stream stores the subject, or JetStream is
+// unavailable on a connected server) is not one: it counts an attempt, so a
+// topic with no stream is dead-lettered rather than retried for ever.
+func (p *Publisher) disconnected(err error) bool {
+	if errors.Is(err, nats.ErrConnectionClosed) || errors.Is(err, nats.ErrNoServers) ||
+		errors.Is(err, nats.ErrDisconnected) || errors.Is(err, nats.ErrConnectionDraining) {
+		return true
+	}
+	return p.js.Conn().Status() != nats.CONNECTED
 }
 
 // PrepareRelay implements outbox.Preparer: it reads the duplicate window of

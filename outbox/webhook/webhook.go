@@ -5,9 +5,11 @@ import (
 	"bytes"
 	"cmp"
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"math"
+	"net"
 	"net/http"
 	"net/url"
 	"strconv"
@@ -82,7 +84,9 @@ type Config struct {
 // A 2xx answer is success. 408, 409, 423, 425, 429 and 5xx answers,
 // timeouts and network errors are retried, no sooner than a Retry-After
 // header asks (in seconds or as an HTTP date; the relay caps the wait at its
-// RetryMaxDelay). Any other answer (another 4xx, or an unfollowed 3xx) is a
+// RetryMaxDelay). A receiver that is down (a refused or failed dial, an
+// unresolved name, 502 or 503) is outbox.Unavailable: retried without
+// counting an attempt, so an outage dead-letters nothing. Any other answer (another 4xx, or an unfollowed 3xx) is a
 // permanent failure: the relay dead-letters the message, with the status and
 // the first 1 KiB of the response body in last_error.
 type Publisher struct {
@@ -194,8 +198,13 @@ func (p *Publisher) call(ctx context.Context, e *outbox.Envelope) error {
 
 	resp, err := p.client.Do(req)
 	if err != nil {
-		// Timeouts, refused connections, resets: all worth retrying.
-		return fmt.Errorf("webhook: %w", err)
+		// Timeouts, refused connections, resets: all worth retrying. A call
+		// that could not even connect says nothing about the message.
+		err = fmt.Errorf("webhook: %w", err)
+		if notConnected(err) {
+			return outbox.Unavailable(err)
+		}
+		return err
 	}
 	defer resp.Body.Close()
 	body, _ := io.ReadAll(io.LimitReader(resp.Body, maxErrorBody))
@@ -209,9 +218,26 @@ func (p *Publisher) call(ctx context.Context, e *outbox.Envelope) error {
 		return outbox.Permanent(err)
 	}
 	if d, ok := parseRetryAfter(resp.Header.Get("Retry-After"), p.now()); ok {
-		return outbox.RetryAfter(err, d)
+		err = outbox.RetryAfter(err, d)
+	}
+	if code == http.StatusBadGateway || code == http.StatusServiceUnavailable {
+		// The receiver (or the gateway before it) is down, not refusing
+		// this message: an outage must not dead-letter what it delays.
+		return outbox.Unavailable(err)
 	}
 	return err
+}
+
+// notConnected reports whether a call failed before a connection to the
+// receiver was made: the dial was refused or timed out, or the name did not
+// resolve. Nothing was sent.
+func notConnected(err error) bool {
+	var dns *net.DNSError
+	if errors.As(err, &dns) {
+		return true
+	}
+	var op *net.OpError
+	return errors.As(err, &op) && op.Op == "dial"
 }
 
 // maxErrorBody is how much of a failed call's response body its error, and

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/base64"
 	"io"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"strconv"
@@ -142,7 +143,7 @@ func TestWebhookStatusHandling(t *testing.T) {
 		{http.StatusRequestTimeout, true}, {http.StatusConflict, true}, {http.StatusLocked, true},
 		{http.StatusTooEarly, true}, {http.StatusTooManyRequests, true},
 		{http.StatusInternalServerError, true}, {http.StatusNotImplemented, true},
-		{http.StatusBadGateway, true}, {http.StatusServiceUnavailable, true},
+		{http.StatusBadGateway, true}, {http.StatusServiceUnavailable, true}, // the receiver is down: no attempt counted
 		{http.StatusGatewayTimeout, true}, {599, true},
 	}
 	for _, tc := range cases {
@@ -174,11 +175,18 @@ func TestWebhookStatusHandling(t *testing.T) {
 			)
 			require.NoError(t, d.Pool.QueryRow(context.Background(),
 				"SELECT attempts, published_at IS NOT NULL, last_error FROM outbox_messages").Scan(&attempts, &published, &lastError))
+			calls := attempts
 			switch {
 			case tc.status/100 == 2:
 				require.True(t, published)
 				require.Equal(t, 1, attempts)
 				require.Nil(t, lastError)
+			case tc.status == http.StatusBadGateway || tc.status == http.StatusServiceUnavailable:
+				require.True(t, published, "retried until accepted")
+				require.Equal(t, 1, attempts, "an unavailable receiver costs the message no attempt")
+				require.NotNil(t, lastError)
+				require.Contains(t, *lastError, strconv.Itoa(tc.status))
+				calls = 2
 			case tc.retry:
 				require.True(t, published, "retried until accepted")
 				require.Equal(t, 2, attempts)
@@ -192,9 +200,51 @@ func TestWebhookStatusHandling(t *testing.T) {
 				require.Contains(t, *lastError, body[:1024])
 				require.NotContains(t, *lastError, "^", "only the first 1 KiB of the body")
 			}
-			require.Len(t, rcv.received(), attempts)
+			require.Len(t, rcv.received(), calls)
 		})
 	}
+}
+
+// A receiver that is down (nothing listens on its address) is an outage,
+// not the message's failure: however many tries it lasts, and with
+// MaxAttempts 1, nothing is dead-lettered, and the message is delivered
+// once the receiver is back on the same address.
+func TestWebhookReceiverDownDeadLettersNothing(t *testing.T) {
+	t.Parallel()
+	d := pgtest.New(t)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	addr := ln.Addr().String()
+	require.NoError(t, ln.Close()) // down: dials are refused
+	outboxtest.Enqueue(t, d.Pool, outbox.Message{Topic: "t", Payload: []byte("x")})
+	r := outboxtest.NewRelay(t, d.Pool, newWebhook(t, "http://"+addr+"/hook", 0),
+		outbox.Config{MaxAttempts: 1, RetryBaseDelay: time.Millisecond, RetryMaxDelay: time.Millisecond})
+	outboxtest.Eventually(t, func() bool {
+		_, err := r.RunOnce(context.Background())
+		require.NoError(t, err)
+		stats, err := r.Stats(context.Background())
+		require.NoError(t, err)
+		return stats.Unavailable >= 3
+	})
+	require.Equal(t, 1, d.Count(t, `SELECT count(*) FROM outbox_messages
+		WHERE attempts = 0 AND dead_at IS NULL AND published_at IS NULL AND last_error LIKE '%refused%'`))
+
+	ln, err = net.Listen("tcp", addr)
+	require.NoError(t, err)
+	var calls atomic.Int64
+	srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		calls.Add(1)
+		w.WriteHeader(http.StatusNoContent)
+	}), ReadHeaderTimeout: time.Second}
+	go func() { _ = srv.Serve(ln) }()
+	t.Cleanup(func() { _ = srv.Close() })
+	outboxtest.Eventually(t, func() bool {
+		_, err := r.RunOnce(context.Background())
+		require.NoError(t, err)
+		return d.Count(t, `SELECT count(*) FROM outbox_messages WHERE published_at IS NOT NULL`) == 1
+	})
+	require.Equal(t, int64(1), calls.Load())
+	require.Zero(t, d.Count(t, `SELECT count(*) FROM outbox_messages WHERE dead_at IS NOT NULL`))
 }
 
 // Retry-After, in seconds or as an HTTP date, sets the wait before the next
@@ -216,27 +266,32 @@ func TestWebhookHonoursRetryAfter(t *testing.T) {
 		{"shorter than the backoff", func(time.Time) string { return "1" }, 10 * time.Second, time.Hour, 4500 * time.Millisecond, 10 * time.Second},
 		{"unparsable: the backoff", func(time.Time) string { return "soon" }, 100 * time.Millisecond, time.Hour, 0, 100 * time.Millisecond},
 	}
-	for _, tc := range cases {
-		t.Run(tc.name, func(t *testing.T) {
-			t.Parallel()
-			d := pgtest.New(t)
-			rcv := newReceiver(t, func(call int, w http.ResponseWriter, r *http.Request) {
-				w.Header().Set("Retry-After", tc.retryAfter(time.Now()))
-				w.WriteHeader(http.StatusServiceUnavailable)
+	// 429 counts an attempt; 503 (the receiver is down) does not, and its
+	// Retry-After is honoured all the same.
+	for _, status := range []struct{ code, attempts int }{{http.StatusTooManyRequests, 1}, {http.StatusServiceUnavailable, 0}} {
+		for _, tc := range cases {
+			t.Run(strconv.Itoa(status.code)+" "+tc.name, func(t *testing.T) {
+				t.Parallel()
+				d := pgtest.New(t)
+				rcv := newReceiver(t, func(call int, w http.ResponseWriter, r *http.Request) {
+					w.Header().Set("Retry-After", tc.retryAfter(time.Now()))
+					w.WriteHeader(status.code)
+				})
+				outboxtest.Enqueue(t, d.Pool, outbox.Message{Topic: "t", Payload: []byte("x")})
+				r := outboxtest.NewRelay(t, d.Pool, newWebhook(t, rcv.URL, 0), outbox.Config{
+					RetryBaseDelay: tc.retryBaseDelay, RetryMaxDelay: tc.retryMaxDelay,
+				})
+				_, err := r.RunOnce(context.Background())
+				require.NoError(t, err)
+				var wait float64
+				require.NoError(t, d.Pool.QueryRow(context.Background(),
+					"SELECT extract(epoch FROM available_at - now()) FROM outbox_messages WHERE attempts = $1 AND last_error IS NOT NULL",
+					status.attempts).Scan(&wait))
+				got := time.Duration(wait * float64(time.Second))
+				require.GreaterOrEqual(t, got, tc.least)
+				require.LessOrEqual(t, got, tc.most)
 			})
-			outboxtest.Enqueue(t, d.Pool, outbox.Message{Topic: "t", Payload: []byte("x")})
-			r := outboxtest.NewRelay(t, d.Pool, newWebhook(t, rcv.URL, 0), outbox.Config{
-				RetryBaseDelay: tc.retryBaseDelay, RetryMaxDelay: tc.retryMaxDelay,
-			})
-			_, err := r.RunOnce(context.Background())
-			require.NoError(t, err)
-			var wait float64
-			require.NoError(t, d.Pool.QueryRow(context.Background(),
-				"SELECT extract(epoch FROM available_at - now()) FROM outbox_messages WHERE attempts = 1").Scan(&wait))
-			got := time.Duration(wait * float64(time.Second))
-			require.GreaterOrEqual(t, got, tc.least)
-			require.LessOrEqual(t, got, tc.most)
-		})
+		}
 	}
 }
 
