@@ -16,6 +16,7 @@
 // Errors are answered as application/problem+json: 400 for a missing or
 // invalid key or body, 401 without a principal, 409 (with Retry-After)
 // while another request holds the key, 422 for the same key with another
-// payload, 413 for a body over the limit. Multi-phase operations use
+// payload, 413 for a body over the limit, 503 (with Retry-After) while the
+// database is unavailable (txn.ErrUnavailable). Multi-phase operations use
 // Middleware.Workflow.
 package httpidem

@@ -14,6 +14,7 @@ import (
 	"testing"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/atomicphase/atomicphase/httpidem"
@@ -35,12 +36,22 @@ type server struct {
 // POST /rides (a workflow), authenticated by "Authorization: Bearer <user>".
 func newServer(t *testing.T, cfg *httpidem.Config) *server {
 	t.Helper()
+	return newServerOn(t, cfg, nil)
+}
+
+// newServerOn is newServer with the runner on pool(d) when pool is not nil.
+func newServerOn(t *testing.T, cfg *httpidem.Config, pool func(*pgtest.DB) *pgxpool.Pool) *server {
+	t.Helper()
 	d := pgtest.New(t)
 	_, err := d.Pool.Exec(context.Background(), `CREATE TABLE orders (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, owner text, sku text)`)
 	require.NoError(t, err)
 	s := &server{DB: d, reg: txn.NewRegistry()}
 	logger := slog.New(slog.NewTextHandler(t.Output(), nil))
-	runner, err := txn.New(d.Pool, &txn.Config{Workflows: s.reg, Logger: logger})
+	p := d.Pool
+	if pool != nil {
+		p = pool(d)
+	}
+	runner, err := txn.New(p, &txn.Config{Workflows: s.reg, Logger: logger})
 	require.NoError(t, err)
 	if cfg == nil {
 		cfg = &httpidem.Config{}

@@ -240,6 +240,8 @@ func (m *Middleware) answer(w http.ResponseWriter, r *http.Request, resp txn.Res
 		problem(w, status, problemBadRequest, fmt.Sprintf("The request's %s is invalid: %s.", reqErr.Field, reqErr.Reason), 0)
 	case errors.Is(err, txn.ErrConflict), errors.Is(err, txn.ErrLeaseLost):
 		problem(w, status, problemConflict, "The request conflicted with concurrent work; retry with the same key.", time.Second)
+	case errors.Is(err, txn.ErrUnavailable):
+		problem(w, status, problemUnavailable, "The service cannot reach its database; retry with the same key.", 2*time.Second)
 	case errors.Is(err, txn.ErrUnknownWorkflow):
 		// Returned before any key was written: the runner logged nothing.
 		m.cfg.Logger.ErrorContext(r.Context(), "idempotent request cannot run: its workflow is not registered with the runner",
@@ -263,6 +265,7 @@ const (
 	problemUnauthorized = "unauthenticated"
 	problemConflict     = "conflict"
 	problemInternal     = "internal"
+	problemUnavailable  = "unavailable"
 )
 
 // ProblemTypePrefix prefixes each problem's type URI, e.g.
@@ -273,7 +276,7 @@ var problemTitle = map[string]string{
 	problemMissingKey: "Idempotency-Key is missing", problemInvalidKey: "Idempotency-Key is invalid",
 	problemInUse: "Idempotency-Key is in use", problemReused: "Idempotency-Key was reused",
 	problemTooLarge: "Payload too large", problemBadRequest: "Invalid request", problemUnauthorized: "Unauthenticated",
-	problemConflict: "Conflict", problemInternal: "Internal error",
+	problemConflict: "Conflict", problemInternal: "Internal error", problemUnavailable: "Service unavailable",
 }
 
 // problem writes an RFC 9457 problem+json response.

@@ -16,6 +16,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/atomicphase/atomicphase/httpidem"
@@ -437,4 +438,27 @@ func TestRunnerErrorsAreAnsweredWithTxnsHTTPStatus(t *testing.T) {
 		require.Equal(t, rec.Code, body.Status)
 		require.Equal(t, httpidem.ProblemTypePrefix+c.kind, body.Type, "%v", err)
 	}
+}
+
+// A database outage is answered 503 with Retry-After and problem type
+// "unavailable", not 500: the client retries with the same key, and the
+// retry once the database is back creates the order once.
+func TestDatabaseOutageIs503WithRetryAfter(t *testing.T) {
+	t.Parallel()
+	var proxy *pgtest.Proxy
+	s := newServerOn(t, nil, func(d *pgtest.DB) *pgxpool.Pool {
+		var pool *pgxpool.Pool
+		proxy, pool = d.NewProxy(t)
+		return pool
+	})
+	proxy.Unreachable()
+	r := s.do(t, "POST", "/orders", "alice", "k1", `{"sku":"book"}`)
+	requireProblem(t, r, http.StatusServiceUnavailable, "unavailable")
+	require.NotEmpty(t, r.header.Get("Retry-After"))
+	require.Zero(t, s.calls.Load(), "the handler did not run without a database")
+
+	proxy.Reachable()
+	r = s.do(t, "POST", "/orders", "alice", "k1", `{"sku":"book"}`)
+	require.Equal(t, http.StatusCreated, r.status, r.body)
+	require.Equal(t, 1, s.Count(t, `SELECT count(*) FROM orders`))
 }

@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"net/http"
 	"time"
+
+	"github.com/atomicphase/atomicphase/internal/pgerr"
 )
 
 // Sentinel errors returned by the Runner, matched with errors.Is. Their text
@@ -63,6 +65,15 @@ var (
 	// released, as for any transient error; the *PanicError carries the value.
 	// HTTP 500.
 	ErrPanicked = errors.New("operation panicked")
+
+	// ErrUnavailable: the database could not be reached, refused the
+	// connection, is shutting down or starting, or takes no writes (a
+	// standby, or a demoted primary during a failover). Nothing the
+	// operation did is lost: a phase that did not commit is retried from its
+	// recovery point by a retry with the same key or by the Resumer, and a
+	// commit cut off in flight is replayed, not re-executed. HTTPStatus
+	// answers 503 (httpidem adds Retry-After).
+	ErrUnavailable = errors.New("database unavailable")
 )
 
 // KeyStateError is returned for ErrKeyInUse and ErrKeyReused and tells the
@@ -132,7 +143,23 @@ func HTTPStatus(err error) int {
 		return http.StatusUnprocessableEntity
 	case errors.Is(err, ErrKeyNotFound):
 		return http.StatusNotFound
+	case errors.Is(err, ErrUnavailable):
+		return http.StatusServiceUnavailable
 	default:
 		return http.StatusInternalServerError
 	}
 }
+
+// markUnavailable makes err match ErrUnavailable when the database could not
+// serve the operation (see pgerr.IsUnavailable), keeping its text.
+func markUnavailable(err error) error {
+	if err == nil || errors.Is(err, ErrUnavailable) || !pgerr.IsUnavailable(err) {
+		return err
+	}
+	return &unavailableError{err: err}
+}
+
+type unavailableError struct{ err error }
+
+func (e *unavailableError) Error() string   { return e.err.Error() }
+func (e *unavailableError) Unwrap() []error { return []error{ErrUnavailable, e.err} }

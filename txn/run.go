@@ -49,7 +49,7 @@ func (r *Runner) Run(ctx context.Context, key Key, fn Func) (Response, error) {
 	resp, err := r.run(ctx, req, fn)
 	if err != nil {
 		r.logFailure(ctx, req, "", err, nil)
-		return Response{}, fmt.Errorf("txn: run: %w", err)
+		return Response{}, markUnavailable(fmt.Errorf("txn: run: %w", err))
 	}
 	return resp, nil
 }

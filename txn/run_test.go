@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/atomicphase/atomicphase/txn"
@@ -413,4 +414,54 @@ func TestSameKeyInAnotherSchemaIsIndependent(t *testing.T) {
 	require.ErrorIs(t, err, txn.ErrKeyReused, "same schema, other request: reuse, decided by the row")
 	close(release)
 	require.NoError(t, <-done)
+}
+
+// A database that cannot be reached, or that takes no writes (a demoted
+// primary or a standby during a failover: SQLSTATE 25006), is
+// ErrUnavailable, answered 503 by HTTPStatus: the client retries with the
+// same key, and the retry once the database is back runs the operation once.
+func TestDatabaseUnavailableIsErrUnavailableAnd503(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	var calls atomic.Int64
+
+	readOnly := e.NewPool(t, func(c *pgxpool.Config) {
+		c.ConnConfig.RuntimeParams["default_transaction_read_only"] = "on"
+	})
+	r, err := txn.New(readOnly, &txn.Config{Workflows: e.reg})
+	require.NoError(t, err)
+	_, err = r.Run(ctx, chargeKey("k1", 5), insertCharge(&calls, "c1", 5))
+	require.ErrorIs(t, err, txn.ErrUnavailable)
+	require.Equal(t, http.StatusServiceUnavailable, txn.HTTPStatus(err))
+	f := newRideFlow(t, e.reg, "ride")
+	_, err = r.RunWorkflow(ctx, rideKey("w1"), f.wf)
+	require.ErrorIs(t, err, txn.ErrUnavailable)
+
+	proxy, pool := e.NewProxy(t)
+	r, err = txn.New(pool, &txn.Config{Workflows: e.reg})
+	require.NoError(t, err)
+	proxy.Unreachable()
+	_, err = r.Run(ctx, chargeKey("k1", 5), insertCharge(&calls, "c1", 5))
+	require.ErrorIs(t, err, txn.ErrUnavailable)
+	require.Equal(t, http.StatusServiceUnavailable, txn.HTTPStatus(err))
+	_, err = r.RunWorkflow(ctx, rideKey("w1"), f.wf)
+	require.ErrorIs(t, err, txn.ErrUnavailable)
+	_, err = r.Resume(ctx, "acct_1", "k1")
+	require.ErrorIs(t, err, txn.ErrUnavailable)
+	require.Zero(t, calls.Load(), "nothing ran without a database")
+
+	proxy.Reachable()
+	resp, err := r.Run(ctx, chargeKey("k1", 5), insertCharge(&calls, "c1", 5))
+	require.NoError(t, err)
+	require.Equal(t, 201, resp.Status)
+	require.Equal(t, int64(1), calls.Load())
+	require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM charges`))
+
+	// Not every error is an outage: a handler's own failure stays a 500.
+	_, err = r.Run(ctx, chargeKey("k2", 5), func(context.Context, pgx.Tx) (txn.Response, error) {
+		return txn.Response{}, errors.New("handler bug")
+	})
+	require.NotErrorIs(t, err, txn.ErrUnavailable)
+	require.Equal(t, http.StatusInternalServerError, txn.HTTPStatus(err))
 }

@@ -35,6 +35,11 @@ import (
 // its recovery point intact and the error is returned; a retry or the
 // recovery Resumer continues from there.
 func (r *Runner) RunWorkflow(ctx context.Context, key Key, wf *Workflow) (Response, error) {
+	resp, err := r.runWorkflow(ctx, key, wf)
+	return resp, markUnavailable(err)
+}
+
+func (r *Runner) runWorkflow(ctx context.Context, key Key, wf *Workflow) (Response, error) {
 	if wf == nil {
 		return Response{}, fmt.Errorf("txn: run workflow: %w: nil workflow", ErrInvalidUse)
 	}
@@ -295,6 +300,11 @@ func (r *Runner) releaseToken(ctx context.Context, id int64, token uuid.UUID) er
 // unknown key ErrKeyNotFound; a workflow missing from the registry
 // ErrUnknownWorkflow (the key is left as it is).
 func (r *Runner) Resume(ctx context.Context, scope, value string) (Response, error) {
+	resp, err := r.resume(ctx, scope, value)
+	return resp, markUnavailable(err)
+}
+
+func (r *Runner) resume(ctx context.Context, scope, value string) (Response, error) {
 	for look := 0; ; look++ {
 		if err := ctx.Err(); err != nil {
 			return Response{}, fmt.Errorf("txn: resume: %w", err)
