@@ -19,6 +19,7 @@ import (
 	"github.com/atomicphase/atomicphase/internal/db"
 	"github.com/atomicphase/atomicphase/internal/failure"
 	"github.com/atomicphase/atomicphase/internal/phasectx"
+	"github.com/atomicphase/atomicphase/internal/telemetry"
 	"github.com/atomicphase/atomicphase/internal/txnhook"
 )
 
@@ -143,10 +144,17 @@ func startPhase[T any](a *Attempt, name string, nilFunc bool) (v T, done bool, e
 // exact bytes encoding/json produced, so an attempt that runs the phase and
 // one that resumes after it see the same value.
 func Atomic[T any](ctx context.Context, a *Attempt, name string, fn func(ctx context.Context, tx pgx.Tx) (T, error)) (T, error) {
-	var zero T
 	if v, done, err := startPhase[T](a, name, fn == nil); done {
 		return v, err
 	}
+	ctx, span, start := a.r.startSpan(ctx, telemetry.SpanPhaseAtomic)
+	v, err := runAtomic(ctx, a, name, fn)
+	a.phaseEnded(ctx, span, start, name, telemetry.PhaseAtomic, err)
+	return v, err
+}
+
+func runAtomic[T any](ctx context.Context, a *Attempt, name string, fn func(ctx context.Context, tx pgx.Tx) (T, error)) (T, error) {
+	var zero T
 	var raw []byte
 	var tid pgtype.TID
 	err := a.r.inTx(ctx, func(tx pgx.Tx) error {
@@ -195,10 +203,17 @@ func Atomic[T any](ctx context.Context, a *Attempt, name string, fn func(ctx con
 // than Config.MaxAge, fn is not called: the key is failed with a stored
 // problem response, which becomes the workflow's answer.
 func Foreign[T any](ctx context.Context, a *Attempt, name string, fn func(ctx context.Context, foreignKey string) (T, error)) (T, error) {
-	var zero T
 	if v, done, err := startPhase[T](a, name, fn == nil); done {
 		return v, err
 	}
+	ctx, span, start := a.r.startSpan(ctx, telemetry.SpanPhaseForeign)
+	v, err := runForeign(ctx, a, name, fn)
+	a.phaseEnded(ctx, span, start, name, telemetry.PhaseForeign, err)
+	return v, err
+}
+
+func runForeign[T any](ctx context.Context, a *Attempt, name string, fn func(ctx context.Context, foreignKey string) (T, error)) (T, error) {
+	var zero T
 	// Check and extend the lease before calling out: a holder that lost
 	// its key must not call the provider on the operation's behalf, and
 	// nobody calls it for a key past MaxAge.
@@ -329,6 +344,13 @@ func (a *Attempt) Finish(ctx context.Context, fn Func) (Response, error) {
 		return Response{}, fmt.Errorf("txn: finish: %w", errTooOld)
 	}
 	a.closed = true
+	ctx, span, start := a.r.startSpan(ctx, telemetry.SpanPhaseFinish)
+	resp, err := a.finish(ctx, fn)
+	a.phaseEnded(ctx, span, start, "finish", telemetry.PhaseFinish, err)
+	return resp, err
+}
+
+func (a *Attempt) finish(ctx context.Context, fn Func) (Response, error) {
 	var resp Response
 	stored := true
 	err := a.r.inTx(ctx, func(tx pgx.Tx) error {

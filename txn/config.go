@@ -1,6 +1,9 @@
 package txn
 
 import (
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/trace"
+
 	"cmp"
 	"fmt"
 	"log/slog"
@@ -16,6 +19,24 @@ type Config struct {
 	// Logger receives replays, key conflicts and mismatches, and keys released
 	// after transient errors. Default: slog.Default().
 	Logger *slog.Logger
+
+	// MeterProvider receives the runner's metrics (atomicphase.txn.*: see
+	// the README's "Operating" section). Default: otel.GetMeterProvider(),
+	// a no-op until the service installs an OpenTelemetry SDK.
+	MeterProvider metric.MeterProvider
+
+	// TracerProvider receives a span per Run, RunWorkflow and Resume
+	// (atomicphase.run, atomicphase.run_workflow, atomicphase.resume).
+	// Default: the global provider at each span, a no-op until the service
+	// installs an OpenTelemetry SDK.
+	TracerProvider trace.TracerProvider
+
+	// ScopeHashKey keys the HMAC that records a scope on spans as
+	// atomicphase.scope.hash (the raw scope, a principal, is never
+	// recorded). Give every service whose traces should correlate the same
+	// secret. Default: a fixed public key, which hides the scope from a
+	// casual reader but not from someone able to guess it.
+	ScopeHashKey []byte
 
 	// HitLogLevel is the level at which replays, in-use conflicts and key
 	// reuse are logged. Default: slog.LevelInfo (the zero value).

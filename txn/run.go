@@ -11,6 +11,7 @@ import (
 	"github.com/atomicphase/atomicphase/internal/db"
 	"github.com/atomicphase/atomicphase/internal/pgerr"
 	"github.com/atomicphase/atomicphase/internal/phasectx"
+	"github.com/atomicphase/atomicphase/internal/telemetry"
 )
 
 // Func is the body of a single-phase operation: it writes through tx and
@@ -39,6 +40,13 @@ type Func func(ctx context.Context, tx pgx.Tx) (Response, error)
 // does not store (by default a client-correctable 4xx such as 400 or 422)
 // is returned with fn's writes rolled back and no key left behind.
 func (r *Runner) Run(ctx context.Context, key Key, fn Func) (Response, error) {
+	ctx, span, start := r.startSpan(ctx, telemetry.SpanRun)
+	resp, err := r.runPublic(ctx, key, fn)
+	r.ended(ctx, span, start, "", key.Scope, resp, err)
+	return resp, err
+}
+
+func (r *Runner) runPublic(ctx context.Context, key Key, fn Func) (Response, error) {
 	if fn == nil {
 		return Response{}, fmt.Errorf("txn: run: %w: nil func", ErrInvalidUse)
 	}
@@ -101,6 +109,7 @@ func (r *Runner) run(ctx context.Context, req request, fn Func) (Response, error
 				return Response{}, fmt.Errorf("%w (%d retries): %w", ErrConflict, tries, err)
 			}
 			r.retries.Add(1)
+			r.tel.Retried(ctx, "")
 			if err := r.backoff(ctx, tries); err != nil {
 				return Response{}, err
 			}

@@ -16,6 +16,7 @@ import (
 	"github.com/atomicphase/atomicphase/internal/db"
 	"github.com/atomicphase/atomicphase/internal/failure"
 	"github.com/atomicphase/atomicphase/internal/pgerr"
+	"github.com/atomicphase/atomicphase/internal/telemetry"
 	"github.com/atomicphase/atomicphase/internal/txnbridge"
 	"github.com/atomicphase/atomicphase/internal/txnhook"
 	"github.com/atomicphase/atomicphase/internal/usercode"
@@ -48,6 +49,10 @@ type Runner struct {
 	maxAgeBody []byte         // the problem body stored for a key failed past MaxAge
 	retry      backoff.Policy // the wait before a phase's retry
 	hook       txnhook.Func   // the test kit's, else nil (see hook.go)
+
+	tel    *telemetry.Txn
+	tracer *telemetry.Tracer
+	scopes telemetry.ScopeHasher
 }
 
 // New returns a Runner using pool. cfg may be nil. Invalid values give an
@@ -66,6 +71,8 @@ func New(pool *pgxpool.Pool, cfg *Config) (*Runner, error) {
 	return &Runner{
 		pool: pool, q: db.New(pool), cfg: c, log: c.Logger, maxAgeBody: failure.MaxAgeBody(c.MaxAge),
 		retry: backoff.Policy{Base: c.RetryBaseDelay, Max: c.RetryMaxDelay, Jitter: backoff.Equal},
+		tel:   telemetry.NewTxn(c.MeterProvider), tracer: telemetry.NewTracer(c.TracerProvider),
+		scopes: telemetry.NewScopeHasher(c.ScopeHashKey),
 	}, nil
 }
 
@@ -234,6 +241,7 @@ func (r *Runner) inTx(ctx context.Context, fn func(tx pgx.Tx) error) error {
 			return fmt.Errorf("%w: %w", ErrConflict, err)
 		}
 		r.retries.Add(1)
+		r.tel.Retried(ctx, workflowOf(ctx))
 		if err := r.backoff(ctx, tries); err != nil {
 			return err
 		}

@@ -14,6 +14,7 @@ import (
 	"github.com/atomicphase/atomicphase/internal/db"
 	"github.com/atomicphase/atomicphase/internal/failure"
 	"github.com/atomicphase/atomicphase/internal/pgerr"
+	"github.com/atomicphase/atomicphase/internal/telemetry"
 	"github.com/atomicphase/atomicphase/internal/txnbridge"
 	"github.com/atomicphase/atomicphase/internal/txnhook"
 )
@@ -35,8 +36,16 @@ import (
 // its recovery point intact and the error is returned; a retry or the
 // recovery Resumer continues from there.
 func (r *Runner) RunWorkflow(ctx context.Context, key Key, wf *Workflow) (Response, error) {
+	ctx, span, start := r.startSpan(ctx, telemetry.SpanRunWorkflow)
+	name := ""
+	if wf != nil {
+		name = wf.name
+		ctx = withWorkflow(ctx, name)
+	}
 	resp, err := r.runWorkflow(ctx, key, wf)
-	return resp, markUnavailable(err)
+	err = markUnavailable(err)
+	r.ended(ctx, span, start, name, key.Scope, resp, err)
+	return resp, err
 }
 
 func (r *Runner) runWorkflow(ctx context.Context, key Key, wf *Workflow) (Response, error) {
@@ -132,6 +141,7 @@ func (r *Runner) removeUnseenInsert(ctx context.Context, req request, token uuid
 		})
 		if n == 1 {
 			r.released.Add(1)
+			r.tel.Released(ctx, workflowOf(ctx))
 		}
 		return err
 	})
@@ -287,6 +297,7 @@ func (r *Runner) releaseToken(ctx context.Context, id int64, token uuid.UUID) er
 	}
 	if n == 1 {
 		r.released.Add(1)
+		r.tel.Released(ctx, workflowOf(ctx))
 	}
 	return nil
 }
@@ -300,8 +311,12 @@ func (r *Runner) releaseToken(ctx context.Context, id int64, token uuid.UUID) er
 // unknown key ErrKeyNotFound; a workflow missing from the registry
 // ErrUnknownWorkflow (the key is left as it is).
 func (r *Runner) Resume(ctx context.Context, scope, value string) (Response, error) {
+	ctx, span, start := r.startSpan(ctx, telemetry.SpanResume)
+	ctx = withWorkflow(ctx, "") // named once the key is read
 	resp, err := r.resume(ctx, scope, value)
-	return resp, markUnavailable(err)
+	err = markUnavailable(err)
+	r.ended(ctx, span, start, workflowOf(ctx), scope, resp, err)
+	return resp, err
 }
 
 func (r *Runner) resume(ctx context.Context, scope, value string) (Response, error) {
@@ -319,6 +334,7 @@ func (r *Runner) resume(ctx context.Context, scope, value string) (Response, err
 			}
 			return Response{}, fmt.Errorf("txn: resume: look up key: %w", err)
 		}
+		nameWorkflow(ctx, row.Workflow)
 		req := request{
 			key:    Key{Scope: scope, Value: value, Method: row.RequestMethod, Path: row.RequestPath, Params: row.RequestParams},
 			params: row.RequestParams, fingerprint: row.Fingerprint,
