@@ -9,7 +9,14 @@ import (
 	"time"
 	"unicode/utf8"
 
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
+
 	"github.com/atomicphase/atomicphase/internal/db"
+	"github.com/atomicphase/atomicphase/internal/telemetry"
 )
 
 // outcome is what happened to one claimed message.
@@ -65,6 +72,12 @@ func (r *Relay) runBatch(ctx context.Context) (b batch, err error) {
 		return b, err
 	}
 	b.claimed = len(envs)
+	ctx, span := r.tracer.Start(ctx, telemetry.SpanRelayBatch, trace.SpanKindInternal)
+	defer span.End()
+	if span.IsRecording() {
+		span.SetAttributes(attribute.Int("messaging.batch.message_count", len(envs)))
+	}
+	pubStart := time.Now()
 
 	// Stopping the relay (ctx) stops the batch from sending further
 	// messages; those in flight keep until the publish deadline to be
@@ -81,8 +94,52 @@ func (r *Relay) runBatch(ctx context.Context) (b batch, err error) {
 		return b, fmt.Errorf("outbox: relay: commit: %w", err)
 	}
 	r.report(published, failures)
+	r.observe(ctx, envs, outcomes, failures, pubStart)
 	b.published = published
 	return b, nil
+}
+
+// observe records a committed batch's metrics and, on a recording trace, a
+// producer span per attempted message from the publish's start to now,
+// linked to the trace that staged it (its traceparent header).
+func (r *Relay) observe(ctx context.Context, envs []Envelope, outcomes []outcome, failures []failure, pubStart time.Time) {
+	now := time.Now()
+	for i := range envs {
+		if outcomes[i].attempted && outcomes[i].err == nil {
+			r.tel.Published(ctx, envs[i].Topic, now.Sub(envs[i].CreatedAt))
+		}
+	}
+	for _, f := range failures {
+		if f.dead {
+			r.tel.DeadLettered(ctx, f.env.Topic)
+		} else {
+			r.tel.PublishFailed(ctx, f.env.Topic)
+		}
+	}
+	if !r.tracer.Enabled() || !trace.SpanFromContext(ctx).IsRecording() {
+		return
+	}
+	prop := otel.GetTextMapPropagator()
+	for i := range envs {
+		e, o := &envs[i], outcomes[i]
+		if !o.attempted {
+			continue
+		}
+		opts := []trace.SpanStartOption{
+			trace.WithSpanKind(trace.SpanKindProducer), trace.WithTimestamp(pubStart),
+			trace.WithAttributes(attribute.String(telemetry.AttrTopic, e.Topic),
+				attribute.String("messaging.message.id", e.ID.String()), attribute.Int(telemetry.AttrAttempt, e.Attempt)),
+		}
+		if sc := trace.SpanContextFromContext(prop.Extract(context.Background(), propagation.MapCarrier(e.Headers))); sc.IsValid() {
+			opts = append(opts, trace.WithLinks(trace.Link{SpanContext: sc}))
+		}
+		_, span := r.tracer.StartWith(ctx, telemetry.SpanPublishPrefix+e.Topic, opts...)
+		if o.err != nil {
+			span.RecordError(o.err)
+			span.SetStatus(codes.Error, o.err.Error())
+		}
+		span.End(trace.WithTimestamp(now))
+	}
 }
 
 // claim claims the next publishable messages in q's transaction and returns

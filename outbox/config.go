@@ -1,6 +1,9 @@
 package outbox
 
 import (
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/trace"
+
 	"cmp"
 	"fmt"
 	"log/slog"
@@ -26,6 +29,17 @@ type Config struct {
 	// Logger receives failed publishes, dead letters and relay errors, with
 	// snake_case attribute keys. Default: slog.Default().
 	Logger *slog.Logger
+
+	// MeterProvider receives the relay's metrics (atomicphase.outbox.*: see
+	// the README's "Operating" section). Default: otel.GetMeterProvider(),
+	// a no-op until the service installs an OpenTelemetry SDK.
+	MeterProvider metric.MeterProvider
+
+	// TracerProvider receives a span per batch (atomicphase.outbox.relay_batch)
+	// and one per publish ("publish <topic>", linked to the trace that
+	// staged the message). Default: the global provider at each batch, a
+	// no-op until the service installs an OpenTelemetry SDK.
+	TracerProvider trace.TracerProvider
 
 	// BatchSize is the most messages one claim transaction takes, at most
 	// BatchSizeMax. Default: BatchSizeDefault (100).

@@ -4,12 +4,18 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
+	"strings"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgtype"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/propagation"
+	oteltrace "go.opentelemetry.io/otel/trace"
 
 	"github.com/atomicphase/atomicphase/internal/db"
 	"github.com/atomicphase/atomicphase/internal/phasectx"
+	"github.com/atomicphase/atomicphase/internal/telemetry"
 )
 
 // NotifyChannel is the PostgreSQL notification channel Enqueue notifies and
@@ -22,6 +28,12 @@ const NotifyChannel = "atomicphase_outbox"
 // Enqueue stages msgs in tx: they exist, and will be published, if and only
 // if tx commits. Called inside an atomic phase, the messages record the
 // phase's idempotency key.
+//
+// When ctx carries an OpenTelemetry span, each message's headers get its
+// W3C trace context (traceparent, tracestate) as the global propagator
+// writes it (otel.SetTextMapPropagator; the default writes nothing), unless
+// the message sets those headers itself: publishers send them with the
+// other headers, and the relay links its publish span to that trace.
 //
 // Every message is validated before anything is sent to the database; an
 // invalid one fails the call with an error matching ErrInvalidMessage (and
@@ -57,8 +69,12 @@ func Enqueue(ctx context.Context, tx pgx.Tx, msgs ...Message) error {
 		Headers:      make([]string, len(msgs)),
 		DelaysUs:     make([]int64, len(msgs)),
 	}
+	trace := traceHeaders(ctx)
 	for i := range msgs {
 		m := &msgs[i]
+		if len(trace) > 0 {
+			m = withTraceHeaders(m, trace)
+		}
 		headers, err := validate(i, m)
 		if err != nil {
 			return err
@@ -79,4 +95,31 @@ func Enqueue(ctx context.Context, tx pgx.Tx, msgs ...Message) error {
 		return fmt.Errorf("outbox: enqueue: %w", err)
 	}
 	return nil
+}
+
+// traceHeaders returns the W3C trace context of ctx's span (traceparent,
+// tracestate), as the global OpenTelemetry propagator writes it, or nil when
+// ctx carries no span or no propagator is installed.
+func traceHeaders(ctx context.Context) propagation.MapCarrier {
+	if !oteltrace.SpanContextFromContext(ctx).IsValid() {
+		return nil
+	}
+	c := propagation.MapCarrier{}
+	otel.GetTextMapPropagator().Inject(ctx, c)
+	return c
+}
+
+// withTraceHeaders returns a copy of m whose headers carry trace, unless m
+// sets a trace header of its own (in any case); m is not modified.
+func withTraceHeaders(m *Message, trace propagation.MapCarrier) *Message {
+	for name := range m.Headers {
+		if strings.EqualFold(name, telemetry.HeaderTraceparent) || strings.EqualFold(name, telemetry.HeaderTracestate) {
+			return m
+		}
+	}
+	cp := *m
+	cp.Headers = make(map[string]string, len(m.Headers)+len(trace))
+	maps.Copy(cp.Headers, m.Headers)
+	maps.Copy(cp.Headers, trace)
+	return &cp
 }

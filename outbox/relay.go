@@ -13,6 +13,7 @@ import (
 	"github.com/atomicphase/atomicphase/internal/backoff"
 	"github.com/atomicphase/atomicphase/internal/db"
 	"github.com/atomicphase/atomicphase/internal/service"
+	"github.com/atomicphase/atomicphase/internal/telemetry"
 )
 
 // Stats describes a relay's work. The counters are this Relay's since New;
@@ -48,6 +49,9 @@ type Relay struct {
 	retried   atomic.Uint64
 	dead      atomic.Uint64
 	down      atomic.Uint64 // publishes that found the destination unavailable
+
+	tel    *telemetry.Outbox
+	tracer *telemetry.Tracer
 
 	wake      chan struct{} // a pending wake-up for the loop; capacity 1
 	listening atomic.Bool   // the listener holds a LISTENing connection
@@ -107,6 +111,7 @@ func New(pool *pgxpool.Pool, pub Publisher, cfg *Config) (*Relay, error) {
 		log:   c.Logger,
 		wake:  make(chan struct{}, 1),
 		retry: backoff.Policy{Base: c.RetryBaseDelay, Max: c.RetryMaxDelay, Jitter: backoff.Equal},
+		tel:   telemetry.NewOutbox(c.MeterProvider), tracer: telemetry.NewTracer(c.TracerProvider),
 	}
 	r.limits = RelayLimits{
 		PublishDeadline:   r.publishDeadline(),

@@ -105,5 +105,15 @@ func (t *Tracer) Start(ctx context.Context, name string, kind trace.SpanKind) (c
 	return tr.Start(ctx, name, startOptions[kind]...)
 }
 
+// StartWith starts a span like Start, with further options (a start
+// time, links). Call it only when Enabled: building the options allocates.
+func (t *Tracer) StartWith(ctx context.Context, name string, opts ...trace.SpanStartOption) (context.Context, trace.Span) {
+	tr := t.tracer()
+	if tr == nil {
+		return ctx, noopSpan
+	}
+	return tr.Start(ctx, name, opts...)
+}
+
 // Enabled reports whether spans started now would go to an SDK.
 func (t *Tracer) Enabled() bool { return t.tracer() != nil }
