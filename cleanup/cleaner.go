@@ -7,9 +7,13 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/atomicphase/atomicphase/internal/db"
 	"github.com/atomicphase/atomicphase/internal/service"
+	"github.com/atomicphase/atomicphase/internal/telemetry"
 )
 
 // lockClass is the first half of the cleanup advisory lock's name ("apcl");
@@ -38,9 +42,10 @@ type Report struct {
 // concurrent use; across processes, one cleaner deletes at a time (a batch
 // takes the cleanup lock; a round that finds it held stops).
 type Cleaner struct {
-	pool *pgxpool.Pool
-	cfg  Config
-	log  *slog.Logger
+	tracer *telemetry.Tracer
+	pool   *pgxpool.Pool
+	cfg    Config
+	log    *slog.Logger
 
 	life service.Lifecycle
 }
@@ -58,7 +63,7 @@ func New(pool *pgxpool.Pool, cfg *Config) (*Cleaner, error) {
 	if err := c.validate(); err != nil {
 		return nil, fmt.Errorf("cleanup: new: %w", err)
 	}
-	return &Cleaner{pool: pool, cfg: c, log: c.Logger}, nil
+	return &Cleaner{pool: pool, cfg: c, log: c.Logger, tracer: telemetry.NewTracer(c.TracerProvider)}, nil
 }
 
 // RunOnce runs one round: it deletes expired keys, then expired outbox
@@ -71,7 +76,24 @@ func New(pool *pgxpool.Pool, cfg *Config) (*Cleaner, error) {
 // deleting the same rows. If ctx ends, the round stops after the batch in
 // flight (which gets up to 5 seconds to commit, else is rolled back), and
 // the error wraps ctx's error; the report counts exactly the rows deleted.
-func (c *Cleaner) RunOnce(ctx context.Context) (rep Report, err error) {
+func (c *Cleaner) RunOnce(ctx context.Context) (Report, error) {
+	ctx, span := c.tracer.Start(ctx, telemetry.SpanCleanup, trace.SpanKindInternal)
+	rep, err := c.runOnce(ctx)
+	if span.IsRecording() {
+		span.SetAttributes(attribute.Int64("atomicphase.keys_deleted", rep.KeysDeleted),
+			attribute.Int64("atomicphase.outbox_deleted", rep.OutboxDeleted),
+			attribute.Int64("atomicphase.inbox_deleted", rep.InboxDeleted),
+			attribute.Bool("atomicphase.skipped", rep.Skipped))
+		if err != nil && ctx.Err() == nil {
+			span.RecordError(err)
+			span.SetStatus(codes.Error, err.Error())
+		}
+	}
+	span.End()
+	return rep, err
+}
+
+func (c *Cleaner) runOnce(ctx context.Context) (rep Report, err error) {
 	steps := []struct {
 		op      string
 		deleted *int64

@@ -12,9 +12,13 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
+	"go.opentelemetry.io/otel/attribute"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 
 	"github.com/atomicphase/atomicphase/cleanup"
 	"github.com/atomicphase/atomicphase/internal/pgtest"
+	"github.com/atomicphase/atomicphase/internal/telemetry"
 	"github.com/atomicphase/atomicphase/txn"
 )
 
@@ -353,4 +357,22 @@ func TestSkippedRoundIsLoggedAsAWarningWithTheReason(t *testing.T) {
 	require.Equal(t, "WARN", line.Level)
 	require.Contains(t, line.Msg, "another cleaner holds the cleanup lock")
 	require.Equal(t, "lock_held", line.Reason)
+}
+
+// A round is one span with what it deleted.
+func TestCleanerRoundIsASpan(t *testing.T) {
+	t.Parallel()
+	d := pgtest.New(t)
+	keys, _ := seed(t, d, 100)
+	spans := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(spans))
+	t.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
+	rep, err := newCleaner(t, d, cleanup.Config{TracerProvider: tp}).RunOnce(context.Background())
+	require.NoError(t, err)
+	require.Equal(t, int64(keys), rep.KeysDeleted)
+	ended := spans.Ended()
+	require.Len(t, ended, 1)
+	require.Equal(t, telemetry.SpanCleanup, ended[0].Name())
+	require.Contains(t, ended[0].Attributes(), attribute.Int64("atomicphase.keys_deleted", int64(keys)))
+	require.Contains(t, ended[0].Attributes(), attribute.Bool("atomicphase.skipped", false))
 }

@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"log/slog"
 	"time"
+
+	"go.opentelemetry.io/otel/trace"
 )
 
 // The expiry window of idempotency keys: Config.TTL must lie within it.
@@ -34,6 +36,12 @@ type Config struct {
 	// because another cleaner held the cleanup lock, with snake_case
 	// attributes. Default: slog.Default().
 	Logger *slog.Logger
+
+	// TracerProvider receives a span per round (atomicphase.cleanup.round,
+	// with the rows deleted and whether the round was skipped). Default:
+	// the global provider at each round, a no-op until the service installs
+	// an OpenTelemetry SDK.
+	TracerProvider trace.TracerProvider
 
 	// TTL is how long after it finished a key is kept (and replayed to
 	// retries) before it may be deleted. It must be from MinTTL (24 hours)

@@ -6,6 +6,8 @@ import (
 	"log/slog"
 	"math"
 	"time"
+
+	"go.opentelemetry.io/otel/trace"
 )
 
 // The defaults of Config's fields, used for the fields left zero.
@@ -29,6 +31,12 @@ type Config struct {
 	// Logger receives failed keys (with snake_case attributes) and round
 	// summaries of Start. Default: the runner's logger.
 	Logger *slog.Logger
+
+	// TracerProvider receives a span per round (atomicphase.recovery.round,
+	// with atomicphase.resumed and atomicphase.failed), the parent of the
+	// runner's atomicphase.resume spans. Default: the global provider at
+	// each round, a no-op until the service installs an OpenTelemetry SDK.
+	TracerProvider trace.TracerProvider
 
 	// ResumeDelay is how long after its last run a running key with a free
 	// or expired lease counts as stalled. Keep it longer than a client's

@@ -8,9 +8,14 @@ import (
 	"sync"
 	"time"
 
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/trace"
+
 	"github.com/atomicphase/atomicphase/internal/db"
 	"github.com/atomicphase/atomicphase/internal/failure"
 	"github.com/atomicphase/atomicphase/internal/service"
+	"github.com/atomicphase/atomicphase/internal/telemetry"
 	"github.com/atomicphase/atomicphase/internal/txnbridge"
 	"github.com/atomicphase/atomicphase/txn"
 )
@@ -62,6 +67,7 @@ func (r Report) Failed() int {
 // Resumer resumes or fails stalled keys. It is safe for concurrent use, and
 // several Resumers (in one process or many) may work on one database.
 type Resumer struct {
+	tracer     *telemetry.Tracer
 	q          *db.Queries
 	runner     *txn.Runner
 	registered func() []string // the runner's registered workflows
@@ -92,7 +98,8 @@ func New(runner *txn.Runner, cfg *Config) (*Resumer, error) {
 		return nil, fmt.Errorf("recovery: new: %w", err)
 	}
 	r := &Resumer{
-		q: db.New(rc.Pool), runner: runner, registered: rc.Registered, maxAge: rc.MaxAge, cfg: c, log: c.Logger,
+		tracer: telemetry.NewTracer(c.TracerProvider),
+		q:      db.New(rc.Pool), runner: runner, registered: rc.Registered, maxAge: rc.MaxAge, cfg: c, log: c.Logger,
 		bodies: map[string][]byte{
 			ReasonUnknownWorkflow: failure.Body(ReasonUnknownWorkflow,
 				"no handler that can complete it is available, so it was stopped after its last completed step"),
@@ -110,6 +117,21 @@ func New(runner *txn.Runner, cfg *Config) (*Resumer, error) {
 // Report.Errors, not returned; the error is for the database failing, or ctx
 // ending (then it wraps ctx's error, and the report holds what was done).
 func (r *Resumer) RunOnce(ctx context.Context) (Report, error) {
+	ctx, span := r.tracer.Start(ctx, telemetry.SpanRecovery, trace.SpanKindInternal)
+	rep, err := r.runOnce(ctx)
+	if span.IsRecording() {
+		span.SetAttributes(attribute.Int("atomicphase.resumed", rep.Resumed),
+			attribute.Int("atomicphase.failed", rep.FailedUnknownWorkflow+rep.FailedMaxAttempts+rep.FailedMaxAge))
+		if err != nil && ctx.Err() == nil {
+			span.RecordError(err)
+			span.SetStatus(codes.Error, err.Error())
+		}
+	}
+	span.End()
+	return rep, err
+}
+
+func (r *Resumer) runOnce(ctx context.Context) (Report, error) {
 	var rep Report
 	registered := append([]string{}, r.registered()...) // never NULL in SQL
 	if err := r.failStalled(ctx, registered, &rep); err != nil {

@@ -10,8 +10,12 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
+	"go.opentelemetry.io/otel/attribute"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 
 	"github.com/atomicphase/atomicphase/internal/pgtest"
+	"github.com/atomicphase/atomicphase/internal/telemetry"
 	"github.com/atomicphase/atomicphase/recovery"
 	"github.com/atomicphase/atomicphase/txn"
 )
@@ -498,4 +502,35 @@ func TestResumerFollowsTheRunnersMaxAge(t *testing.T) {
 	require.Equal(t, byResumer.Body, resp.Body, "one failure shape, whoever stored it")
 	require.Contains(t, string(resp.Body), "1h0m0s")
 	require.Empty(t, f.effects(t, "retried")["charge"], "no foreign call past MaxAge")
+}
+
+// A round is one span, the parent of the runner's span for each key it
+// resumes, with the counts of the round.
+func TestResumerRoundIsASpanOverItsResumes(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := newFixture(t)
+	f.failOnce("k1", "charge")
+	_, err := f.runner.RunWorkflow(ctx, f.chargeKey("k1", 500), f.wf)
+	require.ErrorIs(t, err, errTransient)
+	f.stall(t, "k1")
+
+	spans := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(spans))
+	t.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
+	r := newResumerWith(t, f.d.Pool, &txn.Config{Workflows: f.registry, TracerProvider: tp},
+		recovery.Config{TracerProvider: tp})
+	rep, err := r.RunOnce(ctx)
+	require.NoError(t, err)
+	require.Equal(t, recovery.Report{Resumed: 1}, rep)
+
+	byName := map[string]sdktrace.ReadOnlySpan{}
+	for _, s := range spans.Ended() {
+		byName[s.Name()] = s
+	}
+	round, resume := byName[telemetry.SpanRecovery], byName[telemetry.SpanResume]
+	require.NotNil(t, round)
+	require.NotNil(t, resume)
+	require.Equal(t, round.SpanContext().SpanID(), resume.Parent().SpanID(), "the resume runs under the round")
+	require.Contains(t, round.Attributes(), attribute.Int("atomicphase.resumed", 1))
 }

@@ -59,7 +59,7 @@
 // They are the database's figures, the same from every process, so one
 // process should register them (the reaper with -http does).
 //
-// # Spans (wired in txn and outbox; recovery and cleanup are still to come)
+// # Spans (wired in the txn, outbox, recovery and cleanup packages)
 //
 //	span                              kind      parent                 attributes
 //	atomicphase.run                   internal  caller's               atomicphase.scope.hash, atomicphase.workflow (""),
