@@ -29,6 +29,10 @@ type Report struct {
 	// InboxDeleted counts inbox rows (handled messages and dead letters)
 	// deleted.
 	InboxDeleted int64
+	// TombstonesDeleted counts tombstones of deleted keys removed past
+	// Config.TombstoneRetention (each deleted key leaves one, counted in
+	// KeysDeleted).
+	TombstonesDeleted int64
 	// Batches counts the delete transactions that removed at least one row;
 	// none removed more than Config.BatchSize.
 	Batches int
@@ -102,7 +106,11 @@ func (c *Cleaner) runOnce(ctx context.Context) (rep Report, err error) {
 		{"delete expired keys", &rep.KeysDeleted, func(ctx context.Context, q *db.Queries) (int64, error) {
 			return q.DeleteExpiredKeys(ctx, db.DeleteExpiredKeysParams{
 				TtlSeconds: c.cfg.TTL.Seconds(), BatchSize: int32(c.cfg.BatchSize),
+				TombstoneSeconds: c.cfg.TombstoneRetention.Seconds(),
 			})
+		}},
+		{"delete expired tombstones", &rep.TombstonesDeleted, func(ctx context.Context, q *db.Queries) (int64, error) {
+			return q.DeleteExpiredTombstones(ctx, int32(c.cfg.BatchSize))
 		}},
 		{"delete expired outbox messages", &rep.OutboxDeleted, func(ctx context.Context, q *db.Queries) (int64, error) {
 			return q.DeleteExpiredOutboxMessages(ctx, db.DeleteExpiredOutboxMessagesParams{

@@ -4,9 +4,13 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
+	"fmt"
 	"log/slog"
+	"net/http"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -225,21 +229,24 @@ func TestCleanerSkipsRoundWhileAnotherCleanerHoldsTheLock(t *testing.T) {
 	require.Equal(t, int64(outbox), rep.OutboxDeleted)
 }
 
-func TestDeletedKeyReuseStartsNewOperation(t *testing.T) {
-	t.Parallel()
+// expiredKeyEnv runs one operation under a key, then lets the cleaner
+// delete it after its TTL, leaving a tombstone.
+func expiredKeyEnv(t *testing.T, policy txn.ExpiredKeyPolicy) (d *pgtest.DB, runner *txn.Runner, key txn.Key, fn txn.Func, ran *int, first txn.Response) {
+	t.Helper()
 	ctx := context.Background()
-	d := pgtest.New(t)
-	runner, err := txn.New(d.Pool, &txn.Config{Logger: quiet})
+	d = pgtest.New(t)
+	var err error
+	runner, err = txn.New(d.Pool, &txn.Config{Logger: quiet, ExpiredKeyPolicy: policy})
 	require.NoError(t, err)
 	// The scope is the test's schema: txn's in-flight advisory lock on
 	// (scope, key) is shared by the whole database.
-	key := txn.Key{Scope: d.Schema, Value: "order-1", Method: "POST", Path: "/orders", Params: []byte(`{"qty":1}`)}
-	ran := 0
-	fn := func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
-		ran++
-		return txn.JSON(201, map[string]int{"run": ran})
+	key = txn.Key{Scope: d.Schema, Value: "order-1", Method: "POST", Path: "/orders", Params: []byte(`{"qty":1}`)}
+	ran = new(int)
+	fn = func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+		*ran++
+		return txn.JSON(201, map[string]int{"run": *ran})
 	}
-	first, err := runner.Run(ctx, key, fn)
+	first, err = runner.Run(ctx, key, fn)
 	require.NoError(t, err)
 
 	c := newCleaner(t, d, cleanup.Config{})
@@ -256,12 +263,156 @@ func TestDeletedKeyReuseStartsNewOperation(t *testing.T) {
 	rep, err = c.RunOnce(ctx)
 	require.NoError(t, err)
 	require.Equal(t, int64(1), rep.KeysDeleted)
+	require.Zero(t, d.Count(t, `SELECT count(*) FROM idempotency_keys`))
+	require.Equal(t, 1, d.Count(t, `SELECT count(*) FROM idempotency_key_tombstones
+		WHERE scope = $1 AND key_hash = sha256(convert_to('order-1', 'UTF8')) AND response_status = 201
+		  AND expires_at BETWEEN now() + interval '29 days 23 hours' AND now() + interval '30 days'`, d.Schema),
+		"the deletion left a tombstone for 30 days")
+	return d, runner, key, fn, ran, first
+}
 
-	resp, err = runner.Run(ctx, key, fn)
+// A retry that comes after its key was cleaned up is not a new operation:
+// it is answered ErrKeyExpired (422) and nothing runs, single-phase or
+// workflow; once the tombstone's horizon passes, the key is free again.
+func TestExpiredKeyReuseIsRejectedUntilTheTombstoneExpires(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	d, runner, key, fn, ran, _ := expiredKeyEnv(t, txn.ExpiredKeyReject)
+
+	_, err := runner.Run(ctx, key, fn)
+	require.ErrorIs(t, err, txn.ErrKeyExpired)
+	require.Equal(t, http.StatusUnprocessableEntity, txn.HTTPStatus(err))
+	require.Equal(t, 1, *ran, "the function was not called")
+	require.Zero(t, d.Count(t, `SELECT count(*) FROM idempotency_keys`), "nothing written")
+
+	reg := txn.NewRegistry()
+	wf := txn.NewWorkflow("order", func(ctx context.Context, a *txn.Attempt) (txn.Response, error) {
+		return a.Finish(ctx, fn)
+	})
+	require.NoError(t, reg.Register(wf))
+	wfRunner, err := txn.New(d.Pool, &txn.Config{Logger: quiet, Workflows: reg})
+	require.NoError(t, err)
+	_, err = wfRunner.RunWorkflow(ctx, key, wf)
+	require.ErrorIs(t, err, txn.ErrKeyExpired)
+	require.Equal(t, 1, *ran)
+	require.Equal(t, uint64(1), runner.Stats().ExpiredRejected)
+
+	// The horizon passes: the cleaner deletes the tombstone, the key is free.
+	exec(t, d, `UPDATE idempotency_key_tombstones SET expires_at = now() - interval '1 second'`)
+	rep, err := newCleaner(t, d, cleanup.Config{}).RunOnce(ctx)
+	require.NoError(t, err)
+	require.Equal(t, int64(1), rep.TombstonesDeleted)
+	resp, err := runner.Run(ctx, key, fn)
 	require.NoError(t, err)
 	require.False(t, resp.Replayed)
-	require.Equal(t, 2, ran, "fn ran again: a new operation")
+	require.Equal(t, 2, *ran)
+}
+
+// Under ExpiredKeyNewOperation a reused expired key runs again, as a new
+// operation with new foreign keys, and is counted.
+func TestExpiredKeyReuseUnderNewOperationRunsAgainWithANewForeignKey(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	d, runner, key, fn, ran, _ := expiredKeyEnv(t, txn.ExpiredKeyNewOperation)
+	resp, err := runner.Run(ctx, key, fn)
+	require.NoError(t, err)
+	require.False(t, resp.Replayed)
+	require.Equal(t, 2, *ran, "fn ran again: a new operation")
 	require.JSONEq(t, `{"run":2}`, string(resp.Body))
+	require.Equal(t, uint64(1), runner.Stats().ExpiredReused)
+
+	// A workflow's foreign key is derived from the new row: not the old one.
+	var keys []string
+	reg := txn.NewRegistry()
+	wf := txn.NewWorkflow("pay", func(ctx context.Context, a *txn.Attempt) (txn.Response, error) {
+		if _, err := txn.Foreign(ctx, a, "charge", func(ctx context.Context, fk string) (string, error) {
+			keys = append(keys, fk)
+			return "ch_1", nil
+		}); err != nil {
+			return txn.Response{}, err
+		}
+		return a.Finish(ctx, fn)
+	})
+	require.NoError(t, reg.Register(wf))
+	wfRunner, err := txn.New(d.Pool, &txn.Config{Logger: quiet, Workflows: reg, ExpiredKeyPolicy: txn.ExpiredKeyNewOperation})
+	require.NoError(t, err)
+	wkey := key
+	wkey.Value = "pay-1"
+	_, err = wfRunner.RunWorkflow(ctx, wkey, wf)
+	require.NoError(t, err)
+	exec(t, d, `UPDATE idempotency_keys SET finished_at = now() - interval '25 hours' WHERE key = 'pay-1'`)
+	_, err = newCleaner(t, d, cleanup.Config{}).RunOnce(ctx)
+	require.NoError(t, err)
+	_, err = wfRunner.RunWorkflow(ctx, wkey, wf)
+	require.NoError(t, err)
+	require.Len(t, keys, 2)
+	require.NotEqual(t, keys[0], keys[1], "the new operation has its own foreign key")
+}
+
+// A cleanup racing a reuse of the key: each request gets one answer (a
+// replay, a rejection, or, if it came before the deletion committed and
+// after its lookup, a run), never a run that leaves the tombstone
+// contradicting it; and no key is ever deleted without its tombstone, even
+// when a round is stopped between batches.
+func TestConcurrentCleanupAndReuseAndInterruptedRoundsKeepEveryTombstone(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	d := pgtest.New(t)
+	runner, err := txn.New(d.Pool, &txn.Config{Logger: quiet})
+	require.NoError(t, err)
+	const n = 200
+	fn := func(ctx context.Context, tx pgx.Tx) (txn.Response, error) { return txn.JSON(201, map[string]int{}) }
+	for i := range n {
+		_, err := runner.Run(ctx, txn.Key{Scope: d.Schema, Value: fmt.Sprint("k", i), Method: "POST", Path: "/o"}, fn)
+		require.NoError(t, err)
+	}
+	exec(t, d, `UPDATE idempotency_keys SET finished_at = now() - interval '25 hours'`)
+
+	// A round stopped after its first batch: every deleted key has its tombstone.
+	stopCtx, cancel := context.WithCancel(ctx)
+	c := newCleaner(t, d, cleanup.Config{BatchSize: 10})
+	exec(t, d, `CREATE FUNCTION slow() RETURNS trigger LANGUAGE plpgsql AS $$
+		BEGIN PERFORM pg_sleep(0.05); RETURN NULL; END $$`)
+	exec(t, d, `CREATE TRIGGER slow_delete AFTER DELETE ON idempotency_keys FOR EACH STATEMENT EXECUTE FUNCTION slow()`)
+	time.AfterFunc(120*time.Millisecond, cancel)
+	rep, err := c.RunOnce(stopCtx)
+	require.ErrorIs(t, err, context.Canceled)
+	require.Positive(t, rep.KeysDeleted)
+	require.Less(t, rep.KeysDeleted, int64(n))
+	require.Equal(t, int(rep.KeysDeleted), d.Count(t, `SELECT count(*) FROM idempotency_key_tombstones`))
+	require.Equal(t, n, d.Count(t, `SELECT count(*) FROM idempotency_keys`)+d.Count(t, `SELECT count(*) FROM idempotency_key_tombstones`))
+	exec(t, d, `DROP TRIGGER slow_delete ON idempotency_keys`)
+
+	// Reuse every key while another cleaner deletes the rest.
+	var wg sync.WaitGroup
+	var runs, rejected, replayed atomic.Int64
+	wg.Go(func() {
+		_, err := newCleaner(t, d, cleanup.Config{BatchSize: 7}).RunOnce(ctx)
+		require.NoError(t, err)
+	})
+	for i := range n {
+		wg.Go(func() {
+			resp, err := runner.Run(ctx, txn.Key{Scope: d.Schema, Value: fmt.Sprint("k", i), Method: "POST", Path: "/o"},
+				func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+					runs.Add(1)
+					return txn.JSON(201, map[string]int{})
+				})
+			switch {
+			case errors.Is(err, txn.ErrKeyExpired):
+				rejected.Add(1)
+			case err == nil && resp.Replayed:
+				replayed.Add(1)
+			default:
+				require.NoError(t, err)
+			}
+		})
+	}
+	wg.Wait()
+	require.Equal(t, int64(n), runs.Load()+rejected.Load()+replayed.Load(), "one answer per request")
+	require.Zero(t, d.Count(t, `SELECT count(*) FROM idempotency_keys k JOIN idempotency_key_tombstones t
+		ON t.scope = k.scope AND t.key_hash = sha256(convert_to(k.key, 'UTF8')) WHERE k.created_at > now() - interval '1 hour'`),
+		"no request ran under a key whose tombstone it should have met")
+	t.Logf("reuse during cleanup: %d rejected, %d replayed, %d run", rejected.Load(), replayed.Load(), runs.Load())
 }
 
 func TestCleanerStoppedMidRoundLeavesOnlyWholeBatches(t *testing.T) {

@@ -22,8 +22,11 @@ const (
 const (
 	TTLDefault             = MinTTL
 	OutboxRetentionDefault = 7 * 24 * time.Hour
-	BatchSizeDefault       = 1000
-	IntervalDefault        = 5 * time.Minute
+	// TombstoneRetentionDefault is how long a deleted key's tombstone is
+	// kept: 30 days, well past any client's retry schedule.
+	TombstoneRetentionDefault = 30 * 24 * time.Hour
+	BatchSizeDefault          = 1000
+	IntervalDefault           = 5 * time.Minute
 )
 
 // BatchSizeMax bounds Config.BatchSize.
@@ -54,6 +57,14 @@ type Config struct {
 	// Default: OutboxRetentionDefault (7 days).
 	OutboxRetention time.Duration
 
+	// TombstoneRetention is how long a tombstone is kept for each deleted
+	// key, written in the same statement as the deletion: until then a
+	// request reusing the key is answered per txn.Config.ExpiredKeyPolicy
+	// (by default txn.ErrKeyExpired, 422) instead of running as a new
+	// operation; after it, the cleaner deletes the tombstone and the key is
+	// free. Default: TombstoneRetentionDefault (30 days).
+	TombstoneRetention time.Duration
+
 	// BatchSize is the most rows one delete transaction removes, at most
 	// BatchSizeMax (100,000). Default: BatchSizeDefault (1000).
 	BatchSize int
@@ -68,6 +79,7 @@ func (c Config) withDefaults() Config {
 	c.Logger = cmp.Or(c.Logger, slog.Default())
 	c.TTL = cmp.Or(c.TTL, TTLDefault)
 	c.OutboxRetention = cmp.Or(c.OutboxRetention, OutboxRetentionDefault)
+	c.TombstoneRetention = cmp.Or(c.TombstoneRetention, TombstoneRetentionDefault)
 	c.BatchSize = cmp.Or(c.BatchSize, BatchSizeDefault)
 	c.Interval = cmp.Or(c.Interval, IntervalDefault)
 	return c
@@ -77,7 +89,7 @@ func (c Config) withDefaults() Config {
 // ErrInvalidConfig. It checks c after withDefaults.
 func (c Config) validate() error {
 	switch {
-	case c.TTL < 0 || c.OutboxRetention < 0 || c.BatchSize < 0 || c.Interval < 0:
+	case c.TTL < 0 || c.OutboxRetention < 0 || c.TombstoneRetention < 0 || c.BatchSize < 0 || c.Interval < 0:
 		return fmt.Errorf("%w: negative durations and counts are not allowed", ErrInvalidConfig)
 	case c.TTL < MinTTL || c.TTL > MaxTTL:
 		return fmt.Errorf("%w: TTL %v is outside the expiry window of %v to %v", ErrInvalidConfig, c.TTL, MinTTL, MaxTTL)

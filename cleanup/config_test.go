@@ -43,11 +43,12 @@ func TestZeroConfigGetsTheDocumentedDefaults(t *testing.T) {
 	c, err := cleanup.New(pgtest.Pool(t), nil)
 	require.NoError(t, err)
 	require.Equal(t, cleanup.Config{
-		Logger: slog.Default(), TTL: 24 * time.Hour, OutboxRetention: 7 * 24 * time.Hour, BatchSize: 1000, Interval: 5 * time.Minute,
+		Logger: slog.Default(), TTL: 24 * time.Hour, OutboxRetention: 7 * 24 * time.Hour, TombstoneRetention: 30 * 24 * time.Hour,
+		BatchSize: 1000, Interval: 5 * time.Minute,
 	}, cleanup.ConfigOf(c))
 	require.Equal(t, cleanup.Config{
 		Logger: slog.Default(), TTL: cleanup.TTLDefault, OutboxRetention: cleanup.OutboxRetentionDefault,
-		BatchSize: cleanup.BatchSizeDefault, Interval: cleanup.IntervalDefault,
+		TombstoneRetention: cleanup.TombstoneRetentionDefault, BatchSize: cleanup.BatchSizeDefault, Interval: cleanup.IntervalDefault,
 	}, cleanup.ConfigOf(c))
 	require.Equal(t, cleanup.MinTTL, cleanup.TTLDefault)
 }

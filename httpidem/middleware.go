@@ -232,6 +232,8 @@ func (m *Middleware) answer(w http.ResponseWriter, r *http.Request, resp txn.Res
 		problem(w, status, problemInUse, "A request with this Idempotency-Key is being processed; retry later.", retry)
 	case errors.Is(err, txn.ErrKeyReused):
 		problem(w, status, problemReused, "This Idempotency-Key was used with a different request.", 0)
+	case errors.Is(err, txn.ErrKeyExpired):
+		problem(w, status, problemExpired, "This Idempotency-Key was used for an operation that finished and expired; use a new key for a new operation.", 0)
 	case errors.As(err, &reqErr) && reqErr.Err == txn.ErrRequestTooLarge:
 		problem(w, status, problemTooLarge, "The body is too large: "+reqErr.Reason+".", 0)
 	case errors.As(err, &reqErr) && reqErr.Field == "params":
@@ -260,6 +262,7 @@ const (
 	problemInvalidKey   = "idempotency-key-invalid"
 	problemInUse        = "idempotency-key-in-use"
 	problemReused       = "idempotency-key-reused"
+	problemExpired      = "idempotency-key-expired"
 	problemTooLarge     = "payload-too-large"
 	problemBadRequest   = "invalid-request"
 	problemUnauthorized = "unauthenticated"
@@ -275,6 +278,7 @@ const ProblemTypePrefix = "urn:atomicphase:problem:"
 var problemTitle = map[string]string{
 	problemMissingKey: "Idempotency-Key is missing", problemInvalidKey: "Idempotency-Key is invalid",
 	problemInUse: "Idempotency-Key is in use", problemReused: "Idempotency-Key was reused",
+	problemExpired:  "Idempotency-Key has expired",
 	problemTooLarge: "Payload too large", problemBadRequest: "Invalid request", problemUnauthorized: "Unauthenticated",
 	problemConflict: "Conflict", problemInternal: "Internal error", problemUnavailable: "Service unavailable",
 }

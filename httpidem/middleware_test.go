@@ -462,3 +462,21 @@ func TestDatabaseOutageIs503WithRetryAfter(t *testing.T) {
 	require.Equal(t, http.StatusCreated, r.status, r.body)
 	require.Equal(t, 1, s.Count(t, `SELECT count(*) FROM orders`))
 }
+
+// A key cleaned up after its TTL (a tombstone left by the cleaner) is
+// answered 422 with its own problem type, and the handler does not run.
+func TestExpiredKeyIs422AndNothingRuns(t *testing.T) {
+	t.Parallel()
+	s := newServer(t, nil)
+	r := s.do(t, "POST", "/orders", "alice", "k1", `{"sku":"book"}`)
+	require.Equal(t, http.StatusCreated, r.status, r.body)
+	_, err := s.Pool.Exec(context.Background(), `
+		WITH gone AS (DELETE FROM idempotency_keys WHERE key = 'k1' RETURNING scope, key, fingerprint, finished_at, response_status)
+		INSERT INTO idempotency_key_tombstones (scope, key_hash, fingerprint, finished_at, response_status, expires_at)
+		SELECT scope, sha256(convert_to(key, 'UTF8')), fingerprint, finished_at, response_status, now() + interval '30 days' FROM gone`)
+	require.NoError(t, err)
+	r = s.do(t, "POST", "/orders", "alice", "k1", `{"sku":"book"}`)
+	requireProblem(t, r, http.StatusUnprocessableEntity, "idempotency-key-expired")
+	require.Equal(t, int64(1), s.calls.Load(), "the handler ran for the first request only")
+	require.Equal(t, 1, s.Count(t, `SELECT count(*) FROM orders`))
+}

@@ -45,7 +45,7 @@ func TestDownRefusesToDropTablesThatHoldRows(t *testing.T) {
 				require.ErrorIs(t, err, migrations.ErrDataLossRefused, "down to %d", target)
 				require.Contains(t, err.Error(), "atomicphase.allow_data_loss", "the error says how to opt in")
 				require.Equal(t, before, latestVersion(t, d), "nothing rolled back")
-				require.Equal(t, []string{migrations.TableName, "idempotency_keys", "inbox_messages", "outbox_messages"}, tables(t, d))
+				require.Equal(t, []string{migrations.TableName, "idempotency_key_tombstones", "idempotency_keys", "inbox_messages", "outbox_messages"}, tables(t, d))
 			}
 			require.NoError(t, migrations.Check(ctx, d.Pool))
 		})

@@ -42,7 +42,7 @@ func files(t *testing.T) []string {
 func TestUpUsesItsOwnVersionTable(t *testing.T) {
 	t.Parallel()
 	d := pgtest.New(t) // migrated with migrations.Up
-	require.Equal(t, []string{migrations.TableName, "idempotency_keys", "inbox_messages", "outbox_messages"}, tables(t, d),
+	require.Equal(t, []string{migrations.TableName, "idempotency_key_tombstones", "idempotency_keys", "inbox_messages", "outbox_messages"}, tables(t, d),
 		"no goose_db_version table of the host application's is created")
 	require.NoError(t, migrations.Check(context.Background(), d.Pool))
 	require.NoError(t, migrations.Up(context.Background(), d.Pool), "Up is idempotent")
@@ -61,7 +61,7 @@ func TestDownMigrationsWorkAndCheckNamesTheMissingOne(t *testing.T) {
 	require.NoError(t, migrations.DownTo(ctx, d.Pool, 0))
 	require.Equal(t, []string{migrations.TableName}, tables(t, d))
 	require.NoError(t, migrations.Up(ctx, d.Pool))
-	require.Equal(t, []string{migrations.TableName, "idempotency_keys", "inbox_messages", "outbox_messages"}, tables(t, d))
+	require.Equal(t, []string{migrations.TableName, "idempotency_key_tombstones", "idempotency_keys", "inbox_messages", "outbox_messages"}, tables(t, d))
 }
 
 func TestConcurrentUpAppliesEachMigrationOnce(t *testing.T) {

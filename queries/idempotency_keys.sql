@@ -34,6 +34,8 @@ WHERE scope = @scope AND key = @key;
 -- serialization failure, so the run is retried (and replays) before its
 -- function ever runs. A workflow key holds a lease from the start. Params
 -- are stored as their canonical bytes (request_params_raw), not as jsonb.
+-- A key with a live tombstone (deleted after its TTL) raises AP002 when
+-- reject_expired is set; otherwise reused_expired says it was one.
 INSERT INTO idempotency_keys (
     scope, key, fingerprint, request_method, request_path, request_params_raw,
     workflow, recovery_point, phase_results, status, lease_token, leased_until,
@@ -46,8 +48,12 @@ SELECT @scope, @key, @fingerprint, @request_method, @request_path, @request_para
 WHERE pg_try_advisory_xact_lock(
     hashtextextended(length(@scope::text)::text || ':' || @scope::text || @key::text,
                     'idempotency_keys'::regclass::oid::bigint))
+  AND (NOT @reject_expired::boolean OR atomicphase_refuse_tombstoned(@scope, @key))
 ON CONFLICT (scope, key) DO NOTHING
-RETURNING id, ctid;
+RETURNING id, ctid,
+    (NOT @reject_expired::boolean AND EXISTS (SELECT FROM idempotency_key_tombstones AS t
+            WHERE t.scope = @scope AND t.key_hash = sha256(convert_to(@key, 'UTF8')) AND t.expires_at > now()))::boolean
+    AS reused_expired;
 
 -- name: InsertSingleKey :one
 -- Starts a single-phase run: like InsertKey (same lock, same ON CONFLICT
@@ -65,8 +71,12 @@ SELECT @scope, @key, @fingerprint, @request_method, @request_path, @request_para
 WHERE pg_try_advisory_xact_lock(
     hashtextextended(length(@scope::text)::text || ':' || @scope::text || @key::text,
                     'idempotency_keys'::regclass::oid::bigint))
+  AND (NOT @reject_expired::boolean OR atomicphase_refuse_tombstoned(@scope, @key))
 ON CONFLICT (scope, key) DO NOTHING
-RETURNING id, ctid;
+RETURNING id, ctid,
+    (NOT @reject_expired::boolean AND EXISTS (SELECT FROM idempotency_key_tombstones AS t
+            WHERE t.scope = @scope AND t.key_hash = sha256(convert_to(@key, 'UTF8')) AND t.expires_at > now()))::boolean
+    AS reused_expired;
 
 -- name: TakeOverKey :one
 -- Takes the lease of a running key whose lease is free or expired, with a new

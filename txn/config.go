@@ -1,13 +1,13 @@
 package txn
 
 import (
-	"go.opentelemetry.io/otel/metric"
-	"go.opentelemetry.io/otel/trace"
-
 	"cmp"
 	"fmt"
 	"log/slog"
 	"time"
+
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/trace"
 )
 
 // Config configures a Runner. The zero value is usable; every field states its default.
@@ -37,6 +37,12 @@ type Config struct {
 	// secret. Default: a fixed public key, which hides the scope from a
 	// casual reader but not from someone able to guess it.
 	ScopeHashKey []byte
+
+	// ExpiredKeyPolicy says what a request gets when its key belonged to an
+	// operation that finished and was deleted after its TTL (the cleaner
+	// leaves a tombstone for cleanup.Config.TombstoneRetention).
+	// Default: ExpiredKeyReject: ErrKeyExpired (422), nothing runs.
+	ExpiredKeyPolicy ExpiredKeyPolicy
 
 	// HitLogLevel is the level at which replays, in-use conflicts and key
 	// reuse are logged. Default: slog.LevelInfo (the zero value).
@@ -128,6 +134,21 @@ const leaseDurationMin = 10 * time.Millisecond
 // one again after that.
 const MaxAgeLimit = 24 * time.Hour
 
+// ExpiredKeyPolicy is what a Runner does with a request whose key has a
+// tombstone: it was used for an operation that finished and was cleaned up.
+type ExpiredKeyPolicy int
+
+const (
+	// ExpiredKeyReject answers ErrKeyExpired (HTTP 422) and runs nothing:
+	// a retry that comes after the key's TTL is not taken for a new
+	// operation (a second charge). The default.
+	ExpiredKeyReject ExpiredKeyPolicy = iota
+	// ExpiredKeyNewOperation runs the request as a new operation, with new
+	// foreign keys, and logs and counts it (Stats.ExpiredReused): the
+	// behaviour of a store without tombstones, as Stripe's.
+	ExpiredKeyNewOperation
+)
+
 // DefaultStore stores every response except the rejections a client is
 // expected to correct and retry with the same key: 400, 401, 403, 404, 405,
 // 409, 413, 415, 422 and 429. Successes, 402 (e.g. card declined) and the
@@ -169,6 +190,8 @@ func (c Config) validate() error {
 		return fmt.Errorf("%w: negative durations and counts are not allowed", ErrInvalidConfig)
 	case c.LeaseDuration < leaseDurationMin:
 		return fmt.Errorf("%w: LeaseDuration %v is shorter than %v", ErrInvalidConfig, c.LeaseDuration, leaseDurationMin)
+	case c.ExpiredKeyPolicy != ExpiredKeyReject && c.ExpiredKeyPolicy != ExpiredKeyNewOperation:
+		return fmt.Errorf("%w: unknown ExpiredKeyPolicy %d", ErrInvalidConfig, c.ExpiredKeyPolicy)
 	case c.MaxAge >= MaxAgeLimit:
 		return fmt.Errorf("%w: MaxAge %v must be shorter than %v, the payment providers' idempotency window",
 			ErrInvalidConfig, c.MaxAge, MaxAgeLimit)

@@ -21,6 +21,8 @@ func TestNewRejectsInvalidConfig(t *testing.T) {
 	require.ErrorIs(t, err, txn.ErrInvalidConfig)
 	_, err = txn.New(e.Pool, &txn.Config{LeaseDuration: time.Millisecond})
 	require.ErrorIs(t, err, txn.ErrInvalidConfig)
+	_, err = txn.New(e.Pool, &txn.Config{ExpiredKeyPolicy: 7})
+	require.ErrorIs(t, err, txn.ErrInvalidConfig)
 }
 
 func TestMaxAgeMustStayUnderTheProvidersWindow(t *testing.T) {

@@ -51,6 +51,13 @@ var (
 	// ErrKeyNotFound: Resume found no key with that scope and value. HTTP 404.
 	ErrKeyNotFound = errors.New("idempotency key not found")
 
+	// ErrKeyExpired: the key was used for an operation that finished and
+	// was deleted after its TTL; the cleaner left a tombstone, and
+	// Config.ExpiredKeyPolicy is ExpiredKeyReject (the default). Nothing ran
+	// and nothing was written: a client must use a new key for a new
+	// operation. HTTPStatus answers 422.
+	ErrKeyExpired = errors.New("idempotency key expired")
+
 	// ErrInvalidUse: the library was called wrongly (nil function, empty or
 	// repeated phase name, a response whose status is not 100-599, a phase
 	// after Finish, an unmarshalable phase result, a function that committed
@@ -139,7 +146,7 @@ func HTTPStatus(err error) int {
 		return http.StatusRequestEntityTooLarge
 	case errors.Is(err, ErrKeyInUse), errors.Is(err, ErrLeaseLost), errors.Is(err, ErrConflict):
 		return http.StatusConflict
-	case errors.Is(err, ErrKeyReused):
+	case errors.Is(err, ErrKeyReused), errors.Is(err, ErrKeyExpired):
 		return http.StatusUnprocessableEntity
 	case errors.Is(err, ErrKeyNotFound):
 		return http.StatusNotFound

@@ -150,12 +150,16 @@ func (r *Runner) runSingle(ctx context.Context, req request, fn Func) (resp Resp
 	ins, err := q.InsertSingleKey(ctx, db.InsertSingleKeyParams{
 		Scope: req.key.Scope, Key: req.key.Value, Fingerprint: req.fingerprint,
 		RequestMethod: req.key.Method, RequestPath: req.key.Path, RequestParams: req.params,
+		RejectExpired: r.cfg.ExpiredKeyPolicy == ExpiredKeyReject,
 	})
 	if errors.Is(err, pgx.ErrNoRows) {
 		return Response{}, false, errRaced // held by an uncommitted attempt, or committed since our lookup
 	}
 	if err != nil {
-		return Response{}, false, fmt.Errorf("insert key: %w", err)
+		return Response{}, false, fmt.Errorf("insert key: %w", r.keyExpired(ctx, req, "", err))
+	}
+	if ins.ReusedExpired {
+		r.noteExpiredReuse(ctx, req, "")
 	}
 	utx := newUserTx(tx)
 	resp, err = guard(func() (Response, error) { return fn(phasectx.WithKeyID(ctx, ins.ID), utx) })

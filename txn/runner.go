@@ -35,6 +35,9 @@ type Stats struct {
 	Released  uint64 // keys released after a transient error, resumable
 	NotStored uint64 // rejections returned unstored (Config.Store), no key left
 	TooOld    uint64 // keys failed instead of taken over: older than Config.MaxAge
+	// ExpiredRejected counts requests answered ErrKeyExpired; ExpiredReused
+	// those run as new operations under ExpiredKeyNewOperation.
+	ExpiredRejected, ExpiredReused uint64
 }
 
 // Runner runs operations under idempotency keys. It is safe for concurrent use.
@@ -45,6 +48,7 @@ type Runner struct {
 	log  *slog.Logger
 
 	executed, replayed, inUse, reused, conflicts, retries, leaseLost, released, notStored, tooOld atomic.Uint64
+	expiredRejected, expiredReused                                                                atomic.Uint64
 
 	maxAgeBody []byte         // the problem body stored for a key failed past MaxAge
 	retry      backoff.Policy // the wait before a phase's retry
@@ -99,6 +103,9 @@ func (r *Runner) Stats() Stats {
 		Released:  r.released.Load(),
 		NotStored: r.notStored.Load(),
 		TooOld:    r.tooOld.Load(),
+
+		ExpiredRejected: r.expiredRejected.Load(),
+		ExpiredReused:   r.expiredReused.Load(),
 	}
 }
 
@@ -201,7 +208,7 @@ func (r *Runner) inFlight(ctx context.Context, req request) error {
 func (r *Runner) logFailure(ctx context.Context, req request, workflow string, err, releaseErr error) {
 	switch {
 	case err == nil, errors.Is(err, context.Canceled),
-		errors.Is(err, ErrKeyInUse), errors.Is(err, ErrKeyReused),
+		errors.Is(err, ErrKeyInUse), errors.Is(err, ErrKeyReused), errors.Is(err, ErrKeyExpired),
 		errors.Is(err, ErrInvalidKey), errors.Is(err, ErrInvalidRequest), errors.Is(err, ErrRequestTooLarge):
 		return
 	}

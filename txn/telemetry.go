@@ -63,7 +63,7 @@ func outcomeOf(resp Response, err error) telemetry.Outcome {
 		return telemetry.OutcomeExecuted
 	case errors.Is(err, ErrKeyInUse):
 		return telemetry.OutcomeInUse
-	case errors.Is(err, ErrKeyReused):
+	case errors.Is(err, ErrKeyReused), errors.Is(err, ErrKeyExpired):
 		return telemetry.OutcomeReused
 	case errors.Is(err, ErrConflict):
 		return telemetry.OutcomeConflict

@@ -91,6 +91,7 @@ func (r *Runner) acquire(ctx context.Context, req request, workflow string) (*At
 			Scope: req.key.Scope, Key: req.key.Value, Fingerprint: req.fingerprint,
 			RequestMethod: req.key.Method, RequestPath: req.key.Path, RequestParams: req.params,
 			Workflow: workflow, LeaseToken: token, LeaseSeconds: r.cfg.LeaseDuration.Seconds(),
+			RejectExpired: r.cfg.ExpiredKeyPolicy == ExpiredKeyReject,
 		})
 		switch {
 		case errors.Is(err, pgx.ErrNoRows):
@@ -105,8 +106,11 @@ func (r *Runner) acquire(ctx context.Context, req request, workflow string) (*At
 				// for a whole lease: remove it, so that a retry runs.
 				err = errors.Join(err, r.removeUnseenInsert(ctx, req, token))
 			}
-			return nil, Response{}, fmt.Errorf("insert key: %w", err)
+			return nil, Response{}, fmt.Errorf("insert key: %w", r.keyExpired(ctx, req, workflow, err))
 		default:
+			if ins.ReusedExpired {
+				r.noteExpiredReuse(ctx, req, workflow)
+			}
 			r.at(txnhook.AfterCommit, txnhook.CommitKey, "", 1, "")
 			return r.newAttempt(req, workflow, ins.ID, ins.Ctid, token, 1, pointStarted, nil, nil)
 		}
@@ -194,6 +198,27 @@ func (r *Runner) noteTooOld(ctx context.Context, req request, workflow string) {
 	}
 	r.log.WarnContext(ctx, "key older than MaxAge failed instead of resumed; retries replay its failure",
 		"scope", req.key.Scope, "key", req.key.Value, "workflow", workflow, "max_age", r.cfg.MaxAge)
+}
+
+// keyExpired turns a key insert that met a tombstone (pgerr.KeyExpired)
+// into ErrKeyExpired, counted and logged; other errors are returned as
+// they are.
+func (r *Runner) keyExpired(ctx context.Context, req request, workflow string, err error) error {
+	if !pgerr.IsKeyExpired(err) {
+		return err
+	}
+	r.expiredRejected.Add(1)
+	r.log.Log(ctx, r.cfg.HitLogLevel, "key expired: it was used for an operation that finished and was cleaned up; nothing ran",
+		"scope", req.key.Scope, "key", req.key.Value, "workflow", workflow)
+	return ErrKeyExpired
+}
+
+// noteExpiredReuse counts and logs a key run anew under
+// ExpiredKeyNewOperation although it had a tombstone.
+func (r *Runner) noteExpiredReuse(ctx context.Context, req request, workflow string) {
+	r.expiredReused.Add(1)
+	r.log.WarnContext(ctx, "expired key reused: run as a new operation (ExpiredKeyNewOperation)",
+		"scope", req.key.Scope, "key", req.key.Value, "workflow", workflow)
 }
 
 // newAttempt starts an attempt holding the key's lease. The committed

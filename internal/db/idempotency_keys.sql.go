@@ -245,8 +245,12 @@ SELECT $1, $2, $3, $4, $5, $6::bytea,
 WHERE pg_try_advisory_xact_lock(
     hashtextextended(length($1::text)::text || ':' || $1::text || $2::text,
                     'idempotency_keys'::regclass::oid::bigint))
+  AND (NOT $10::boolean OR atomicphase_refuse_tombstoned($1, $2))
 ON CONFLICT (scope, key) DO NOTHING
-RETURNING id, ctid
+RETURNING id, ctid,
+    (NOT $10::boolean AND EXISTS (SELECT FROM idempotency_key_tombstones AS t
+            WHERE t.scope = $1 AND t.key_hash = sha256(convert_to($2, 'UTF8')) AND t.expires_at > now()))::boolean
+    AS reused_expired
 `
 
 type InsertKeyParams struct {
@@ -259,11 +263,13 @@ type InsertKeyParams struct {
 	Workflow      string
 	LeaseToken    uuid.UUID
 	LeaseSeconds  float64
+	RejectExpired bool
 }
 
 type InsertKeyRow struct {
-	ID   int64
-	Ctid pgtype.TID
+	ID            int64
+	Ctid          pgtype.TID
+	ReusedExpired bool
 }
 
 // Creates a running key, taking a transaction-scoped advisory lock on
@@ -277,6 +283,8 @@ type InsertKeyRow struct {
 // serialization failure, so the run is retried (and replays) before its
 // function ever runs. A workflow key holds a lease from the start. Params
 // are stored as their canonical bytes (request_params_raw), not as jsonb.
+// A key with a live tombstone (deleted after its TTL) raises AP002 when
+// reject_expired is set; otherwise reused_expired says it was one.
 func (q *Queries) InsertKey(ctx context.Context, arg InsertKeyParams) (InsertKeyRow, error) {
 	row := q.db.QueryRow(ctx, insertKey,
 		arg.Scope,
@@ -288,9 +296,10 @@ func (q *Queries) InsertKey(ctx context.Context, arg InsertKeyParams) (InsertKey
 		arg.Workflow,
 		arg.LeaseToken,
 		arg.LeaseSeconds,
+		arg.RejectExpired,
 	)
 	var i InsertKeyRow
-	err := row.Scan(&i.ID, &i.Ctid)
+	err := row.Scan(&i.ID, &i.Ctid, &i.ReusedExpired)
 	return i, err
 }
 
@@ -305,8 +314,12 @@ SELECT $1, $2, $3, $4, $5, $6::bytea,
 WHERE pg_try_advisory_xact_lock(
     hashtextextended(length($1::text)::text || ':' || $1::text || $2::text,
                     'idempotency_keys'::regclass::oid::bigint))
+  AND (NOT $7::boolean OR atomicphase_refuse_tombstoned($1, $2))
 ON CONFLICT (scope, key) DO NOTHING
-RETURNING id, ctid
+RETURNING id, ctid,
+    (NOT $7::boolean AND EXISTS (SELECT FROM idempotency_key_tombstones AS t
+            WHERE t.scope = $1 AND t.key_hash = sha256(convert_to($2, 'UTF8')) AND t.expires_at > now()))::boolean
+    AS reused_expired
 `
 
 type InsertSingleKeyParams struct {
@@ -316,11 +329,13 @@ type InsertSingleKeyParams struct {
 	RequestMethod string
 	RequestPath   string
 	RequestParams []byte
+	RejectExpired bool
 }
 
 type InsertSingleKeyRow struct {
-	ID   int64
-	Ctid pgtype.TID
+	ID            int64
+	Ctid          pgtype.TID
+	ReusedExpired bool
 }
 
 // Starts a single-phase run: like InsertKey (same lock, same ON CONFLICT
@@ -336,9 +351,10 @@ func (q *Queries) InsertSingleKey(ctx context.Context, arg InsertSingleKeyParams
 		arg.RequestMethod,
 		arg.RequestPath,
 		arg.RequestParams,
+		arg.RejectExpired,
 	)
 	var i InsertSingleKeyRow
-	err := row.Scan(&i.ID, &i.Ctid)
+	err := row.Scan(&i.ID, &i.Ctid, &i.ReusedExpired)
 	return i, err
 }
 

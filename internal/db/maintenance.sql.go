@@ -184,29 +184,43 @@ WITH batch AS MATERIALIZED (
     USING batch AS b
     WHERE k.id = b.id
       AND k.status <> 'running'
-    RETURNING k.id
+    RETURNING k.id, k.scope, k.key, k.fingerprint, k.finished_at, k.response_status
 ), unlinked AS (
     UPDATE outbox_messages AS m
     SET idempotency_key_id = NULL
     FROM deleted AS d
     WHERE m.idempotency_key_id = d.id
     RETURNING m.id
+), buried AS (
+    INSERT INTO idempotency_key_tombstones AS t
+        (scope, key_hash, fingerprint, finished_at, response_status, expires_at)
+    SELECT d.scope, sha256(convert_to(d.key, 'UTF8')), d.fingerprint, d.finished_at, d.response_status,
+           now() + make_interval(secs => $3::float8)
+    FROM deleted AS d
+    WHERE $3::float8 > 0
+    ON CONFLICT (scope, key_hash) DO UPDATE
+    SET fingerprint = excluded.fingerprint, finished_at = excluded.finished_at,
+        response_status = excluded.response_status, expires_at = excluded.expires_at
+    RETURNING 1
 )
 SELECT count(*)::bigint AS deleted FROM deleted
 `
 
 type DeleteExpiredKeysParams struct {
-	TtlSeconds float64
-	BatchSize  int32
+	TtlSeconds       float64
+	BatchSize        int32
+	TombstoneSeconds float64
 }
 
 // Deletes up to batch_size terminal keys finished more than ttl ago, oldest
 // first, in one statement (one short transaction), and unlinks the outbox
 // messages they wrote (the column is a plain reference, not a foreign key,
 // so that phases take no foreign-key locks). A running key is never
-// deleted, whatever its age.
+// deleted, whatever its age. Unless tombstone_seconds is 0, each deleted
+// key leaves a tombstone kept tombstone_seconds, in the same statement: no
+// key is ever deleted without one.
 func (q *Queries) DeleteExpiredKeys(ctx context.Context, arg DeleteExpiredKeysParams) (int64, error) {
-	row := q.db.QueryRow(ctx, deleteExpiredKeys, arg.TtlSeconds, arg.BatchSize)
+	row := q.db.QueryRow(ctx, deleteExpiredKeys, arg.TtlSeconds, arg.BatchSize, arg.TombstoneSeconds)
 	var deleted int64
 	err := row.Scan(&deleted)
 	return deleted, err
@@ -237,6 +251,30 @@ type DeleteExpiredOutboxMessagesParams struct {
 // deleted.
 func (q *Queries) DeleteExpiredOutboxMessages(ctx context.Context, arg DeleteExpiredOutboxMessagesParams) (int64, error) {
 	result, err := q.db.Exec(ctx, deleteExpiredOutboxMessages, arg.RetentionSeconds, arg.BatchSize)
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected(), nil
+}
+
+const deleteExpiredTombstones = `-- name: DeleteExpiredTombstones :execrows
+WITH batch AS MATERIALIZED (
+    SELECT scope, key_hash
+    FROM idempotency_key_tombstones
+    WHERE expires_at <= now()
+    ORDER BY expires_at
+    LIMIT $1::integer
+    FOR UPDATE SKIP LOCKED
+)
+DELETE FROM idempotency_key_tombstones AS t
+USING batch AS b
+WHERE t.scope = b.scope AND t.key_hash = b.key_hash
+`
+
+// Deletes up to batch_size tombstones past their expiry, oldest first: the
+// keys they stood for are free again.
+func (q *Queries) DeleteExpiredTombstones(ctx context.Context, batchSize int32) (int64, error) {
+	result, err := q.db.Exec(ctx, deleteExpiredTombstones, batchSize)
 	if err != nil {
 		return 0, err
 	}

@@ -39,6 +39,15 @@ type IdempotencyKey struct {
 	Ctid             pgtype.TID
 }
 
+type IdempotencyKeyTombstone struct {
+	Scope          string
+	KeyHash        []byte
+	Fingerprint    []byte
+	FinishedAt     time.Time
+	ResponseStatus pgtype.Int4
+	ExpiresAt      time.Time
+}
+
 type InboxMessage struct {
 	Consumer   string
 	MessageID  string

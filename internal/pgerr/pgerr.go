@@ -32,6 +32,10 @@ const (
 	// DataLossRefused is raised by atomicphase_refuse_data_loss (migration
 	// 00003) when a down migration would delete rows without the opt-in.
 	DataLossRefused = "AP001"
+	// KeyExpired is raised by atomicphase_refuse_tombstoned (migration
+	// 00009) when a key insert meets a live tombstone: the key belonged to
+	// an operation that finished and was cleaned up.
+	KeyExpired = "AP002"
 )
 
 // Code returns the SQLSTATE of err, or "" when err carries none.
@@ -65,6 +69,10 @@ func IsInFailedTransaction(err error) bool { return Code(err) == InFailedTransac
 func IsServerRejection(err error) bool {
 	return Code(err) != "" && !IsConnection(err)
 }
+
+// IsKeyExpired reports a key insert refused because the key has a live
+// tombstone (KeyExpired).
+func IsKeyExpired(err error) bool { return Code(err) == KeyExpired }
 
 // IsUniqueViolation reports a unique-constraint violation.
 func IsUniqueViolation(err error) bool { return Code(err) == UniqueViolation }
