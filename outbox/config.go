@@ -1,13 +1,13 @@
 package outbox
 
 import (
-	"go.opentelemetry.io/otel/metric"
-	"go.opentelemetry.io/otel/trace"
-
 	"cmp"
 	"fmt"
 	"log/slog"
 	"time"
+
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/trace"
 )
 
 // The defaults of Config's fields, used for the fields left zero.
