@@ -9,14 +9,15 @@
 //
 // Settings come from flags, with environment variables as their defaults:
 // -database-url ($DATABASE_URL), -ttl ($REAPER_TTL), -outbox-retention
-// ($REAPER_OUTBOX_RETENTION), -resume-delay ($REAPER_RESUME_DELAY),
+// ($REAPER_OUTBOX_RETENTION), -tombstone-retention
+// ($REAPER_TOMBSTONE_RETENTION), -resume-delay ($REAPER_RESUME_DELAY),
 // -max-attempts ($REAPER_MAX_ATTEMPTS), -max-age ($REAPER_MAX_AGE: the
 // txn.Config.MaxAge of the runner the reaper works through; give it the
 // services' value), -unknown-workflow-delay ($REAPER_UNKNOWN_WORKFLOW_DELAY),
 // -batch-size ($REAPER_BATCH_SIZE, for recovery and cleanup alike),
 // -log-level ($REAPER_LOG_LEVEL) and -http ($REAPER_HTTP, off). Their
 // defaults are the packages' own (cleanup.TTLDefault, cleanup.OutboxRetentionDefault,
-// recovery.ResumeDelayDefault, recovery.MaxAttemptsDefault,
+// cleanup.TombstoneRetentionDefault, recovery.ResumeDelayDefault, recovery.MaxAttemptsDefault,
 // txn.MaxAgeDefault, recovery.UnknownWorkflowDelayDefault,
 // cleanup.BatchSizeDefault); reaper -help prints them.
 //

@@ -45,6 +45,7 @@ func main() {
 type options struct {
 	databaseURL          string
 	ttl, outboxRetention time.Duration
+	tombstoneRetention   time.Duration
 	resumeDelay, maxAge  time.Duration
 	unknownWorkflowDelay time.Duration
 	maxAttempts          int
@@ -100,10 +101,11 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return exitUsage
 	}
 	cleaner, err := cleanup.New(pool, &cleanup.Config{
-		Logger:          log,
-		TTL:             opts.ttl,
-		OutboxRetention: opts.outboxRetention,
-		BatchSize:       opts.batchSize,
+		Logger:             log,
+		TTL:                opts.ttl,
+		OutboxRetention:    opts.outboxRetention,
+		TombstoneRetention: opts.tombstoneRetention,
+		BatchSize:          opts.batchSize,
 	})
 	if err != nil {
 		fmt.Fprintf(stderr, "reaper: %v: %v\nRun 'reaper -help' for usage.\n", errUsage, err)
@@ -296,6 +298,8 @@ func parseArgs(args []string, stdout io.Writer) (options, error) {
 		fmt.Sprintf("delete terminal idempotency keys finished longer ago than this (%v to %v)", cleanup.MinTTL, cleanup.MaxTTL))
 	e.durationVar(&o.outboxRetention, "outbox-retention", "REAPER_OUTBOX_RETENTION", cleanup.OutboxRetentionDefault,
 		"delete outbox messages published or dead-lettered longer ago than this")
+	e.durationVar(&o.tombstoneRetention, "tombstone-retention", "REAPER_TOMBSTONE_RETENTION", cleanup.TombstoneRetentionDefault,
+		"keep a tombstone of each deleted key this long: a request reusing the key meets it instead of running again")
 	e.durationVar(&o.resumeDelay, "resume-delay", "REAPER_RESUME_DELAY", recovery.ResumeDelayDefault,
 		"a running key with a free or expired lease is stalled this long after its last run")
 	e.intVar(&o.maxAttempts, "max-attempts", "REAPER_MAX_ATTEMPTS", recovery.MaxAttemptsDefault,

@@ -54,7 +54,7 @@ func TestRunHelpPrintsUsageAndExitsZero(t *testing.T) {
 	t.Parallel()
 	var stdout, stderr bytes.Buffer
 	require.Equal(t, exitOK, run(context.Background(), []string{"-help"}, &stdout, &stderr))
-	for _, f := range []string{"-once", "-interval", "-dry-run", "-ttl", "-outbox-retention", "-resume-delay",
+	for _, f := range []string{"-once", "-interval", "-dry-run", "-ttl", "-outbox-retention", "-tombstone-retention", "-resume-delay",
 		"-max-attempts", "-max-age", "-batch-size", "-database-url", "-log-level", "$DATABASE_URL", "$REAPER_TTL"} {
 		require.Contains(t, stdout.String(), f)
 	}
@@ -301,7 +301,7 @@ func freshSchema(t *testing.T, server string) string {
 // The README's flag table shows the defaults the command really has (the
 // recovery, cleanup and txn packages' constants).
 func TestReadmeFlagTableShowsTheDefaults(t *testing.T) {
-	for _, env := range []string{"REAPER_TTL", "REAPER_OUTBOX_RETENTION", "REAPER_RESUME_DELAY", "REAPER_MAX_ATTEMPTS",
+	for _, env := range []string{"REAPER_TTL", "REAPER_OUTBOX_RETENTION", "REAPER_TOMBSTONE_RETENTION", "REAPER_RESUME_DELAY", "REAPER_MAX_ATTEMPTS",
 		"REAPER_MAX_AGE", "REAPER_UNKNOWN_WORKFLOW_DELAY", "REAPER_BATCH_SIZE", "REAPER_LOG_LEVEL"} {
 		t.Setenv(env, "") // unset: the built-in default
 	}
@@ -310,6 +310,7 @@ func TestReadmeFlagTableShowsTheDefaults(t *testing.T) {
 	actual := map[string]string{
 		"-ttl":                    o.ttl.String(),
 		"-outbox-retention":       o.outboxRetention.String(),
+		"-tombstone-retention":    o.tombstoneRetention.String(),
 		"-resume-delay":           o.resumeDelay.String(),
 		"-max-attempts":           fmt.Sprint(o.maxAttempts),
 		"-max-age":                o.maxAge.String(),
