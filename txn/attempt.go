@@ -148,8 +148,9 @@ func Atomic[T any](ctx context.Context, a *Attempt, name string, fn func(ctx con
 		return v, err
 	}
 	ctx, span, start := a.r.startSpan(ctx, telemetry.SpanPhaseAtomic)
+	before := retriesOf(ctx)
 	v, err := runAtomic(ctx, a, name, fn)
-	a.phaseEnded(ctx, span, start, name, telemetry.PhaseAtomic, err)
+	a.phaseEnded(ctx, span, start, name, telemetry.PhaseAtomic, before, err)
 	return v, err
 }
 
@@ -207,8 +208,9 @@ func Foreign[T any](ctx context.Context, a *Attempt, name string, fn func(ctx co
 		return v, err
 	}
 	ctx, span, start := a.r.startSpan(ctx, telemetry.SpanPhaseForeign)
+	before := retriesOf(ctx)
 	v, err := runForeign(ctx, a, name, fn)
-	a.phaseEnded(ctx, span, start, name, telemetry.PhaseForeign, err)
+	a.phaseEnded(ctx, span, start, name, telemetry.PhaseForeign, before, err)
 	return v, err
 }
 
@@ -345,8 +347,9 @@ func (a *Attempt) Finish(ctx context.Context, fn Func) (Response, error) {
 	}
 	a.closed = true
 	ctx, span, start := a.r.startSpan(ctx, telemetry.SpanPhaseFinish)
+	before := retriesOf(ctx)
 	resp, err := a.finish(ctx, fn)
-	a.phaseEnded(ctx, span, start, "finish", telemetry.PhaseFinish, err)
+	a.phaseEnded(ctx, span, start, "finish", telemetry.PhaseFinish, before, err)
 	return resp, err
 }
 

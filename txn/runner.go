@@ -249,6 +249,7 @@ func (r *Runner) inTx(ctx context.Context, fn func(tx pgx.Tx) error) error {
 		}
 		r.retries.Add(1)
 		r.tel.Retried(ctx, workflowOf(ctx))
+		noteRetry(ctx)
 		if err := r.backoff(ctx, tries); err != nil {
 			return err
 		}

@@ -29,7 +29,8 @@ func (r *Runner) ended(ctx context.Context, span trace.Span, start time.Time, wo
 	if span.IsRecording() {
 		span.SetAttributes(r.scopes.Attribute(scope),
 			attribute.String(telemetry.AttrWorkflow, workflow),
-			attribute.String(telemetry.AttrOutcome, o.String()))
+			attribute.String(telemetry.AttrOutcome, o.String()),
+			attribute.Int(telemetry.AttrAttempts, attemptOf(ctx)))
 		switch o {
 		case telemetry.OutcomeTransient, telemetry.OutcomeConflict, telemetry.OutcomeLeaseLost:
 			span.RecordError(err)
@@ -42,10 +43,11 @@ func (r *Runner) ended(ctx context.Context, span trace.Span, start time.Time, wo
 // phaseEnded records a phase's duration and ends its span, with the
 // phase's name and an error status when it failed.
 func (a *Attempt) phaseEnded(ctx context.Context, span trace.Span, start time.Time, name string,
-	kind telemetry.PhaseKind, err error) {
+	kind telemetry.PhaseKind, retriesBefore int, err error) {
 	a.r.tel.PhaseEnded(ctx, a.workflow, name, kind, time.Since(start))
 	if span.IsRecording() {
-		span.SetAttributes(attribute.String(telemetry.AttrPhase, name))
+		span.SetAttributes(attribute.String(telemetry.AttrPhase, name),
+			attribute.Int(telemetry.AttrPhaseRetries, retriesOf(ctx)-retriesBefore))
 		if err != nil {
 			span.RecordError(err)
 			span.SetStatus(codes.Error, err.Error())
@@ -77,27 +79,68 @@ func outcomeOf(resp Response, err error) telemetry.Outcome {
 	}
 }
 
-// workflowKey carries the running workflow's name through ctx, for the
-// metrics recorded deep in a call (retries, releases).
-type workflowKey struct{}
+// callKey carries a public call's telemetry state through ctx, for what is
+// recorded deep in the call: the workflow's name (retries, releases), the
+// attempt number, and the phase retries so far.
+type callKey struct{}
 
-type workflowName struct{ v string }
+type callInfo struct {
+	workflow string
+	attempt  int // the key's attempt number; 0 until an attempt holds the key
+	retries  int // transaction retries after 40001/40P01 so far
+}
 
 func withWorkflow(ctx context.Context, name string) context.Context {
-	return context.WithValue(ctx, workflowKey{}, &workflowName{v: name})
+	return context.WithValue(ctx, callKey{}, &callInfo{workflow: name})
+}
+
+func callOf(ctx context.Context) *callInfo {
+	c, _ := ctx.Value(callKey{}).(*callInfo)
+	return c
 }
 
 // nameWorkflow names the workflow of a call that learnt it late (Resume).
 func nameWorkflow(ctx context.Context, name string) {
-	if w, ok := ctx.Value(workflowKey{}).(*workflowName); ok {
-		w.v = name
+	if c := callOf(ctx); c != nil {
+		c.workflow = name
+	}
+}
+
+// noteAttempt records the attempt number of the attempt holding the key.
+func noteAttempt(ctx context.Context, number int) {
+	if c := callOf(ctx); c != nil {
+		c.attempt = number
+	}
+}
+
+// noteRetry counts a transaction retry of the call.
+func noteRetry(ctx context.Context) {
+	if c := callOf(ctx); c != nil {
+		c.retries++
 	}
 }
 
 // workflowOf returns the workflow name ctx carries, "" for a single-phase Run.
 func workflowOf(ctx context.Context) string {
-	if w, ok := ctx.Value(workflowKey{}).(*workflowName); ok {
-		return w.v
+	if c := callOf(ctx); c != nil {
+		return c.workflow
 	}
 	return ""
+}
+
+// attemptOf returns the attempt number ctx carries: 1 for a single-phase
+// Run (it has one transaction, retried whole), 0 when no attempt held the key.
+func attemptOf(ctx context.Context) int {
+	if c := callOf(ctx); c != nil {
+		return c.attempt
+	}
+	return 1
+}
+
+// retriesOf returns the call's transaction retries so far.
+func retriesOf(ctx context.Context) int {
+	if c := callOf(ctx); c != nil {
+		return c.retries
+	}
+	return 0
 }

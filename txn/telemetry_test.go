@@ -118,6 +118,8 @@ func TestRunnerRecordsSpansAndMetricsThroughOpenTelemetry(t *testing.T) {
 	require.Equal(t, "executed", spanAttr(runs[0], telemetry.AttrOutcome).AsString())
 	require.Equal(t, "transient", spanAttr(runs[1], telemetry.AttrOutcome).AsString())
 	require.Equal(t, codes.Error, runs[1].Status().Code)
+	require.Equal(t, int64(1), spanAttr(runs[0], telemetry.AttrAttempts).AsInt64())
+	require.Equal(t, int64(1), spanAttr(runs[1], telemetry.AttrAttempts).AsInt64())
 	// The first run's phases are its children, named by kind and phase.
 	var first []string
 	for _, p := range phases {
@@ -129,10 +131,23 @@ func TestRunnerRecordsSpansAndMetricsThroughOpenTelemetry(t *testing.T) {
 		telemetry.SpanPhaseAtomic + " ride_created", telemetry.SpanPhaseForeign + " charge_created",
 		telemetry.SpanPhaseFinish + " finish",
 	}, first)
+	for _, p := range phases {
+		require.Equal(t, int64(0), spanAttr(p, telemetry.AttrPhaseRetries).AsInt64())
+	}
+
+	// The retry of the failed key is its second attempt.
+	f.failAt.Store("")
+	before := len(spans.Ended())
+	_, err = r.RunWorkflow(ctx, rideKey("w2"), f.wf)
+	require.NoError(t, err)
+	retry := spans.Ended()[len(spans.Ended())-1]
+	require.Greater(t, len(spans.Ended()), before)
+	require.Equal(t, telemetry.SpanRunWorkflow, retry.Name())
+	require.Equal(t, int64(2), spanAttr(retry, telemetry.AttrAttempts).AsInt64())
 
 	m := metrictest.Collect(t, reader)
 	require.Equal(t, float64(1), m[telemetry.MetricExecuted].Points["atomicphase.workflow="].Value)
-	require.Equal(t, float64(1), m[telemetry.MetricExecuted].Points["atomicphase.workflow=ride"].Value)
+	require.Equal(t, float64(2), m[telemetry.MetricExecuted].Points["atomicphase.workflow=ride"].Value)
 	require.Equal(t, float64(1), m[telemetry.MetricReplayed].Points["atomicphase.workflow="].Value)
 	require.Equal(t, float64(1), m[telemetry.MetricReused].Points["atomicphase.workflow="].Value)
 	require.Equal(t, float64(1), m[telemetry.MetricReleased].Points["atomicphase.workflow=ride"].Value,
@@ -141,5 +156,5 @@ func TestRunnerRecordsSpansAndMetricsThroughOpenTelemetry(t *testing.T) {
 		m[telemetry.MetricRunDuration].Points["atomicphase.outcome=transient,atomicphase.workflow=ride"].Count)
 	require.Equal(t, uint64(2), m[telemetry.MetricPhaseDuration].
 		Points["atomicphase.phase=ride_created,atomicphase.phase.kind=atomic,atomicphase.workflow=ride"].Count,
-		"ride_created ran in both runs")
+		"ride_created ran in the first two runs; the retry resumed after it")
 }

@@ -74,6 +74,7 @@ func (r *Runner) runWorkflow(ctx context.Context, key Key, wf *Workflow) (Respon
 		if a == nil {
 			return resp, nil
 		}
+		noteAttempt(ctx, a.number)
 		return r.execute(ctx, a, wf)
 	}
 }
@@ -393,6 +394,7 @@ func (r *Runner) resume(ctx context.Context, scope, value string) (Response, err
 		case a == nil:
 			return resp, nil // failed: older than MaxAge
 		}
+		noteAttempt(ctx, a.number)
 		return r.execute(ctx, a, wf)
 	}
 }
