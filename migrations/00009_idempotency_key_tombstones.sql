@@ -21,14 +21,23 @@ CREATE INDEX idempotency_key_tombstones_expires_idx
     ON idempotency_key_tombstones (expires_at);
 
 -- +goose StatementBegin
+-- True when (scope, key) has a live tombstone: the one definition of the
+-- lookup, a primary-key probe.
+CREATE FUNCTION atomicphase_key_tombstoned(p_scope text, p_key text) RETURNS boolean
+LANGUAGE sql STABLE AS $$
+    SELECT EXISTS (SELECT FROM idempotency_key_tombstones
+                   WHERE scope = p_scope AND key_hash = sha256(convert_to(p_key, 'UTF8')) AND expires_at > now())
+$$;
+-- +goose StatementEnd
+
+-- +goose StatementBegin
 -- Called by the runner's key insert (txn.ExpiredKeyReject): raises SQLSTATE
 -- AP002 when (scope, key) has a live tombstone, so the insert, and with it
 -- the request, fails before anything runs, in the same round trip.
 CREATE FUNCTION atomicphase_refuse_tombstoned(p_scope text, p_key text) RETURNS boolean
 LANGUAGE plpgsql STABLE AS $$
 BEGIN
-    IF EXISTS (SELECT FROM idempotency_key_tombstones
-               WHERE scope = p_scope AND key_hash = sha256(convert_to(p_key, 'UTF8')) AND expires_at > now()) THEN
+    IF atomicphase_key_tombstoned(p_scope, p_key) THEN
         RAISE EXCEPTION 'atomicphase: idempotency key expired: it was used for an operation that finished and was cleaned up'
             USING ERRCODE = 'AP002';
     END IF;
@@ -40,4 +49,5 @@ $$;
 -- +goose Down
 SELECT atomicphase_refuse_data_loss('00009', 'idempotency_key_tombstones');
 DROP FUNCTION atomicphase_refuse_tombstoned(text, text);
+DROP FUNCTION atomicphase_key_tombstoned(text, text);
 DROP TABLE idempotency_key_tombstones;

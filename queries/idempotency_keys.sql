@@ -51,9 +51,7 @@ WHERE pg_try_advisory_xact_lock(
   AND (NOT @reject_expired::boolean OR atomicphase_refuse_tombstoned(@scope, @key))
 ON CONFLICT (scope, key) DO NOTHING
 RETURNING id, ctid,
-    (NOT @reject_expired::boolean AND EXISTS (SELECT FROM idempotency_key_tombstones AS t
-            WHERE t.scope = @scope AND t.key_hash = sha256(convert_to(@key, 'UTF8')) AND t.expires_at > now()))::boolean
-    AS reused_expired;
+    (NOT @reject_expired::boolean AND atomicphase_key_tombstoned(@scope, @key))::boolean AS reused_expired;
 
 -- name: InsertSingleKey :one
 -- Starts a single-phase run: like InsertKey (same lock, same ON CONFLICT
@@ -74,9 +72,7 @@ WHERE pg_try_advisory_xact_lock(
   AND (NOT @reject_expired::boolean OR atomicphase_refuse_tombstoned(@scope, @key))
 ON CONFLICT (scope, key) DO NOTHING
 RETURNING id, ctid,
-    (NOT @reject_expired::boolean AND EXISTS (SELECT FROM idempotency_key_tombstones AS t
-            WHERE t.scope = @scope AND t.key_hash = sha256(convert_to(@key, 'UTF8')) AND t.expires_at > now()))::boolean
-    AS reused_expired;
+    (NOT @reject_expired::boolean AND atomicphase_key_tombstoned(@scope, @key))::boolean AS reused_expired;
 
 -- name: TakeOverKey :one
 -- Takes the lease of a running key whose lease is free or expired, with a new

@@ -248,9 +248,7 @@ WHERE pg_try_advisory_xact_lock(
   AND (NOT $10::boolean OR atomicphase_refuse_tombstoned($1, $2))
 ON CONFLICT (scope, key) DO NOTHING
 RETURNING id, ctid,
-    (NOT $10::boolean AND EXISTS (SELECT FROM idempotency_key_tombstones AS t
-            WHERE t.scope = $1 AND t.key_hash = sha256(convert_to($2, 'UTF8')) AND t.expires_at > now()))::boolean
-    AS reused_expired
+    (NOT $10::boolean AND atomicphase_key_tombstoned($1, $2))::boolean AS reused_expired
 `
 
 type InsertKeyParams struct {
@@ -317,9 +315,7 @@ WHERE pg_try_advisory_xact_lock(
   AND (NOT $7::boolean OR atomicphase_refuse_tombstoned($1, $2))
 ON CONFLICT (scope, key) DO NOTHING
 RETURNING id, ctid,
-    (NOT $7::boolean AND EXISTS (SELECT FROM idempotency_key_tombstones AS t
-            WHERE t.scope = $1 AND t.key_hash = sha256(convert_to($2, 'UTF8')) AND t.expires_at > now()))::boolean
-    AS reused_expired
+    (NOT $7::boolean AND atomicphase_key_tombstoned($1, $2))::boolean AS reused_expired
 `
 
 type InsertSingleKeyParams struct {
