@@ -9,6 +9,7 @@ package pgcluster
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -33,6 +34,11 @@ type Options struct {
 	Durable bool
 	// Settings are extra server settings (name -> value), passed as -c flags.
 	Settings map[string]string
+	// Port is the server's port, which names its socket file. Default 5432:
+	// the server listens only on a socket in its own directory, so clusters
+	// never collide; give a primary and its standby different ports to tell
+	// their connection strings apart.
+	Port int
 }
 
 // Cluster is a running throwaway cluster.
@@ -42,11 +48,52 @@ type Cluster struct {
 	sockDir string
 	bindir  string
 	cred    *syscall.Credential
+	port    int
 	options string // server settings as pg_ctl -o flags, reused on restart
+	killed  bool   // Kill ended its processes: nothing left to stop
 }
 
 // Start creates and starts a cluster. Call Stop to shut it down and delete it.
 func Start(ctx context.Context, opts Options) (*Cluster, error) {
+	c, err := newCluster(opts)
+	if err != nil {
+		return nil, err
+	}
+	if err := c.run(ctx, "initdb", "-D", c.dataDir, "-U", "postgres", "-A", "trust",
+		"-E", "UTF8", "--no-locale", "--no-sync"); err != nil {
+		_ = os.RemoveAll(c.dir)
+		return nil, err
+	}
+	if err := c.start(ctx, opts); err != nil {
+		_ = os.RemoveAll(c.dir)
+		return nil, err
+	}
+	return c, nil
+}
+
+// StartStandby creates a streaming-replication standby of c with
+// pg_basebackup -R (a base backup that writes primary_conninfo and
+// standby.signal) and starts it, in a directory of its own. For synchronous
+// replication, set synchronous_standby_names on the primary's Settings; give
+// the standby a Port other than the primary's. Call Stop to remove it.
+func (c *Cluster) StartStandby(ctx context.Context, opts Options) (*Cluster, error) {
+	s, err := newCluster(opts)
+	if err != nil {
+		return nil, err
+	}
+	if err := s.run(ctx, "pg_basebackup", "-D", s.dataDir, "-R", "-X", "stream", "-c", "fast", "--no-sync",
+		"-h", c.sockDir, "-p", strconv.Itoa(c.port), "-U", "postgres"); err != nil {
+		_ = os.RemoveAll(s.dir)
+		return nil, err
+	}
+	if err := s.start(ctx, opts); err != nil {
+		_ = os.RemoveAll(s.dir)
+		return nil, err
+	}
+	return s, nil
+}
+
+func newCluster(opts Options) (*Cluster, error) {
 	bindir, err := findBinDir()
 	if err != nil {
 		return nil, err
@@ -64,15 +111,16 @@ func Start(ctx context.Context, opts Options) (*Cluster, error) {
 	if err != nil {
 		return nil, err
 	}
-	c := &Cluster{dir: dir, dataDir: filepath.Join(dir, "data"), sockDir: dir, bindir: bindir, cred: cred}
-	if err := c.run(ctx, "initdb", "-D", c.dataDir, "-U", "postgres", "-A", "trust",
-		"-E", "UTF8", "--no-locale", "--no-sync"); err != nil {
-		_ = os.RemoveAll(dir)
-		return nil, err
-	}
+	return &Cluster{dir: dir, dataDir: filepath.Join(dir, "data"), sockDir: dir, bindir: bindir, cred: cred,
+		port: cmp.Or(opts.Port, 5432)}, nil
+}
+
+// start starts the server on c.dataDir with opts' settings.
+func (c *Cluster) start(ctx context.Context, opts Options) error {
 	settings := map[string]string{
 		"listen_addresses":          "''",
 		"unix_socket_directories":   "'" + c.sockDir + "'",
+		"port":                      strconv.Itoa(c.port),
 		"max_connections":           "200",
 		"shared_buffers":            "128MB",
 		"max_locks_per_transaction": "256",
@@ -95,18 +143,37 @@ func Start(ctx context.Context, opts Options) (*Cluster, error) {
 		fmt.Fprintf(&o, " -c %s=%s", k, settings[k])
 	}
 	c.options = o.String()
-	if err := c.run(ctx, "pg_ctl", "-D", c.dataDir, "-l", filepath.Join(dir, "server.log"),
+	if err := c.run(ctx, "pg_ctl", "-D", c.dataDir, "-l", filepath.Join(c.dir, "server.log"),
 		"-w", "-t", "60", "-o", c.options, "start"); err != nil {
-		logTail, _ := os.ReadFile(filepath.Join(dir, "server.log"))
-		_ = os.RemoveAll(dir)
-		return nil, fmt.Errorf("%w\nserver log:\n%s", err, logTail)
+		logTail, _ := os.ReadFile(filepath.Join(c.dir, "server.log"))
+		return fmt.Errorf("%w\nserver log:\n%s", err, logTail)
 	}
-	return c, nil
+	return nil
 }
 
 // ConnString returns a connection string for database name on this cluster.
 func (c *Cluster) ConnString(database string) string {
-	return fmt.Sprintf("host=%s port=5432 user=postgres dbname=%s sslmode=disable", c.sockDir, database)
+	return fmt.Sprintf("host=%s port=%d user=postgres dbname=%s sslmode=disable", c.sockDir, c.port, database)
+}
+
+// ConnStringReadWrite returns a multi-host connection string for database
+// on the given clusters, in order, with target_session_attrs=read-write: a
+// client connects to whichever of them is the primary now, as after a
+// failover it must.
+func ConnStringReadWrite(database string, clusters ...*Cluster) string {
+	hosts := make([]string, len(clusters))
+	ports := make([]string, len(clusters))
+	for i, c := range clusters {
+		hosts[i], ports[i] = c.sockDir, strconv.Itoa(c.port)
+	}
+	return fmt.Sprintf("host=%s port=%s user=postgres dbname=%s sslmode=disable target_session_attrs=read-write",
+		strings.Join(hosts, ","), strings.Join(ports, ","), database)
+}
+
+// Promote promotes a standby to a primary (pg_ctl promote) and waits until
+// it accepts writes.
+func (c *Cluster) Promote(ctx context.Context) error {
+	return c.run(ctx, "pg_ctl", "-D", c.dataDir, "-w", "-t", "60", "promote")
 }
 
 // DataDir returns the cluster's data directory.
@@ -125,7 +192,10 @@ func (c *Cluster) Restart(ctx context.Context, mode string) error {
 func (c *Cluster) Stop() error {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	err := c.run(ctx, "pg_ctl", "-D", c.dataDir, "-m", "immediate", "-w", "stop")
+	var err error
+	if !c.killed {
+		err = c.run(ctx, "pg_ctl", "-D", c.dataDir, "-m", "immediate", "-w", "stop")
+	}
 	if rmErr := os.RemoveAll(c.dir); err == nil {
 		err = rmErr
 	}

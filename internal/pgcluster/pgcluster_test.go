@@ -64,3 +64,58 @@ func TestStartsWhenTMPDIRIsPrivate(t *testing.T) {
 	_, err = os.Stat(dir)
 	require.True(t, os.IsNotExist(err), "the cluster's files are removed")
 }
+
+// A primary with a synchronous standby: the standby streams from it; after
+// the primary is killed with SIGKILL and the standby promoted, the
+// multi-host connection string reaches the new primary, which has every
+// committed row and accepts writes. Stop removes both clusters' files, the
+// killed one's too.
+func TestStandbyPromotedAfterPrimaryKilled(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	primary, err := pgcluster.Start(ctx, pgcluster.Options{Settings: map[string]string{
+		"synchronous_standby_names": "'*'", "synchronous_commit": "on"}})
+	if errors.Is(err, pgcluster.ErrNoBinaries) && os.Getenv("CI") == "" {
+		t.Skip("PostgreSQL server binaries are not installed here; CI has them")
+	}
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = primary.Stop() })
+	standby, err := primary.StartStandby(ctx, pgcluster.Options{Port: 5433})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = standby.Stop() })
+	url := pgcluster.ConnStringReadWrite("postgres", primary, standby)
+
+	conn, err := pgx.Connect(ctx, url)
+	require.NoError(t, err)
+	var port, syncState string
+	require.NoError(t, conn.QueryRow(ctx, `SHOW port`).Scan(&port))
+	require.Equal(t, "5432", port, "the read-write host is the primary")
+	require.Eventually(t, func() bool {
+		return conn.QueryRow(ctx, `SELECT sync_state FROM pg_stat_replication`).Scan(&syncState) == nil && syncState == "sync"
+	}, 30*time.Second, 50*time.Millisecond, "the standby streams synchronously")
+	_, err = conn.Exec(ctx, `CREATE TABLE t (v int); INSERT INTO t VALUES (1)`)
+	require.NoError(t, err)
+	require.NoError(t, conn.Close(ctx))
+
+	require.NoError(t, primary.Kill())
+	_, err = pgx.Connect(ctx, url)
+	require.Error(t, err, "no read-write server: the standby is not promoted yet")
+	require.NoError(t, standby.Promote(ctx))
+
+	conn, err = pgx.Connect(ctx, url)
+	require.NoError(t, err)
+	require.NoError(t, conn.QueryRow(ctx, `SHOW port`).Scan(&port))
+	require.Equal(t, "5433", port, "the read-write host is the promoted standby")
+	var n int
+	require.NoError(t, conn.QueryRow(ctx, `INSERT INTO t VALUES (2) RETURNING (SELECT count(*) FROM t)`).Scan(&n))
+	require.Equal(t, 1, n, "the row committed on the old primary is there")
+	require.NoError(t, conn.Close(ctx))
+
+	dirs := []string{primary.DataDir(), standby.DataDir()}
+	require.NoError(t, primary.Stop())
+	require.NoError(t, standby.Stop())
+	for _, dir := range dirs {
+		_, err = os.Stat(dir)
+		require.True(t, os.IsNotExist(err), "the cluster's files are removed")
+	}
+}

@@ -1,0 +1,14 @@
+//go:build !linux
+
+package pgcluster
+
+import (
+	"errors"
+	"fmt"
+)
+
+// Kill ends every process of the server with SIGKILL. It needs Linux's
+// /proc to find them; elsewhere it returns errors.ErrUnsupported.
+func (c *Cluster) Kill() error {
+	return fmt.Errorf("pgcluster: kill: %w", errors.ErrUnsupported)
+}
