@@ -170,3 +170,16 @@ type unavailableError struct{ err error }
 
 func (e *unavailableError) Error() string   { return e.err.Error() }
 func (e *unavailableError) Unwrap() []error { return []error{ErrUnavailable, e.err} }
+
+// cleanupFailed keeps the text of a failed cleanup (a release, the removal
+// of an unseen insert) that is joined to the error which caused it, but not
+// its chain: the cleanup ran on a context of its own, bounded by
+// ReleaseTimeout, and its context.DeadlineExceeded must not make the caller
+// take the operation's error for its own context ending, nor hide that the
+// database was unavailable.
+func cleanupFailed(err error) error {
+	if err == nil {
+		return nil
+	}
+	return errors.New(err.Error())
+}

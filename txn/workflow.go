@@ -105,7 +105,7 @@ func (r *Runner) acquire(ctx context.Context, req request, workflow string) (*At
 			if !pgerr.IsServerRejection(err) {
 				// The insert may have committed unseen, holding the key
 				// for a whole lease: remove it, so that a retry runs.
-				err = errors.Join(err, r.removeUnseenInsert(ctx, req, token))
+				err = errors.Join(err, cleanupFailed(r.removeUnseenInsert(ctx, req, token)))
 			}
 			return nil, Response{}, fmt.Errorf("insert key: %w", r.keyExpired(ctx, req, workflow, err))
 		default:
@@ -174,7 +174,7 @@ func (r *Runner) takeOver(ctx context.Context, req request, workflow string, id 
 	if err != nil {
 		if !pgerr.IsServerRejection(err) {
 			// The takeover may have committed unseen: give the lease back.
-			err = errors.Join(err, r.releaseToken(ctx, id, token))
+			err = errors.Join(err, cleanupFailed(r.releaseToken(ctx, id, token)))
 		}
 		return nil, Response{}, fmt.Errorf("take over key: %w", err)
 	}

@@ -763,6 +763,37 @@ func TestKeyStoredBeforeLosslessColumnsStillResumes(t *testing.T) {
 	require.Equal(t, int64(1), f.p1.Load(), "the phase committed before is not run again")
 }
 
+// The server dies as the key's insert commits, and the attempt's removal of
+// the insert cannot reach it either, within its own ReleaseTimeout: the
+// caller gets ErrUnavailable (503, retry later), not an error that looks
+// like its own context's deadline (which the removal's was). The key is
+// free once its lease expires.
+func TestInsertCutAndRemovalTimedOutIsUnavailable(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	proxy, pool := e.NewProxy(t)
+	r, err := txn.New(pool, &txn.Config{Workflows: e.reg, LeaseDuration: time.Second, ReleaseTimeout: 100 * time.Millisecond})
+	require.NoError(t, err)
+	f := newRideFlow(t, e.reg, "ride")
+	require.NoError(t, pool.Ping(ctx)) // a connection in the pool before the latency
+
+	proxy.SetLatency(300 * time.Millisecond) // slower than ReleaseTimeout: the removal times out
+	proxy.CutAfterNextStatement("INSERT 0 1")
+	_, err = r.RunWorkflow(ctx, rideKey("k1"), f.wf)
+	require.Error(t, err)
+	require.ErrorIs(t, err, txn.ErrUnavailable, "%v", err)
+	require.NotErrorIs(t, err, context.DeadlineExceeded, "the caller's context did not end")
+	require.Equal(t, 503, txn.HTTPStatus(err))
+	require.Zero(t, f.p1.Load(), "nothing ran")
+
+	proxy.SetLatency(0)
+	time.Sleep(1100 * time.Millisecond) // the insert's lease expires
+	resp, err := r.RunWorkflow(ctx, rideKey("k1"), f.wf)
+	require.NoError(t, err)
+	require.Equal(t, 201, resp.Status)
+}
+
 // A workflow key's insert that commits while the caller sees an error (the
 // connection is cut right after the commit) does not hold the key for a
 // whole lease: the attempt removes it, so the client's retry runs at once.

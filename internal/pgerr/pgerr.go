@@ -5,6 +5,7 @@ package pgerr
 import (
 	"context"
 	"errors"
+	"io"
 	"net"
 
 	"github.com/jackc/pgx/v5/pgconn"
@@ -97,6 +98,11 @@ func IsConnection(err error) bool {
 	}
 	var netErr net.Error
 	if errors.As(err, &netErr) {
+		return true
+	}
+	// The driver reads io.EOF or io.ErrUnexpectedEOF when the server closed
+	// the connection under it, as a killed server does mid-statement.
+	if errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) {
 		return true
 	}
 	var connErr *pgconn.ConnectError

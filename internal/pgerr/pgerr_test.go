@@ -4,7 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"net"
+	"syscall"
 	"testing"
 	"time"
 
@@ -79,4 +81,18 @@ func TestConnectionRefusedIsUnavailable(t *testing.T) {
 	require.Error(t, err)
 	require.True(t, IsUnavailable(err), "%v", err)
 	require.True(t, IsConnection(err), "%v", err)
+}
+
+// A server killed mid-statement closes the connection under the driver,
+// which reads io.EOF or io.ErrUnexpectedEOF, or the kernel resets it: all
+// are the connection failing, and the database unavailable.
+func TestConnectionClosedMidStatementIsUnavailable(t *testing.T) {
+	t.Parallel()
+	for _, err := range []error{io.EOF, io.ErrUnexpectedEOF,
+		&net.OpError{Op: "read", Net: "unix", Err: syscall.ECONNRESET}} {
+		wrapped := fmt.Errorf("insert key: %w", err)
+		require.True(t, IsConnection(wrapped), "%v", err)
+		require.True(t, IsUnavailable(wrapped), "%v", err)
+		require.False(t, IsServerRejection(wrapped), "%v: it may have taken effect", err)
+	}
 }
