@@ -45,6 +45,9 @@ func TestLosslessColumnsDownRefusesToLoseDataWithoutOptIn(t *testing.T) {
 	_, err = r.RunWorkflow(ctx, txn.Key{Value: "k", Method: "POST", Path: "/p", Params: []byte(`{"amount":1E+2}`)}, wf)
 	require.ErrorIs(t, err, context.DeadlineExceeded)
 
+	// 00010's down refuses while a key runs (see its own test): opt in.
+	optIn := d.NewPool(t, func(c *pgxpool.Config) { c.ConnConfig.RuntimeParams["atomicphase.allow_data_loss"] = "on" })
+	require.NoError(t, migrations.DownTo(ctx, optIn, 9))
 	err = migrations.DownTo(ctx, d.Pool, 3)
 	require.Error(t, err)
 	require.Contains(t, err.Error(), "atomicphase.allow_data_loss")
@@ -58,7 +61,6 @@ func TestLosslessColumnsDownRefusesToLoseDataWithoutOptIn(t *testing.T) {
 	require.ErrorContains(t, migrations.DownTo(ctx, notOn, 3), "atomicphase.allow_data_loss")
 	require.NotErrorIs(t, migrations.DownTo(ctx, d.Pool, 3), migrations.ErrDataLossRefused, "no AP001 from 00004")
 
-	optIn := d.NewPool(t, func(c *pgxpool.Config) { c.ConnConfig.RuntimeParams["atomicphase.allow_data_loss"] = "on" })
 	require.NoError(t, migrations.DownTo(ctx, optIn, 3))
 	var params, results string
 	require.NoError(t, d.Pool.QueryRow(ctx, `SELECT request_params::text, phase_results::text FROM idempotency_keys`).Scan(&params, &results))
@@ -70,4 +72,41 @@ func TestLosslessColumnsDownRefusesToLoseDataWithoutOptIn(t *testing.T) {
 	resp, err := r.Resume(ctx, "", "k")
 	require.NoError(t, err, "a key from before the columns existed resumes from jsonb")
 	require.Equal(t, 201, resp.Status)
+}
+
+// Migration 00010's down would make a running key derive its foreign keys
+// from its id instead of its seed, so that a resumed foreign call would
+// reach the provider under a new key: it refuses while a seeded key runs,
+// unless the session opts in, and goes once the key finished.
+func TestForeignKeySeedDownRefusesWhileAKeyRuns(t *testing.T) {
+	t.Parallel()
+	d := pgtest.New(t)
+	ctx := context.Background()
+	reg := txn.NewRegistry()
+	fail := true
+	wf := txn.NewWorkflow("w", func(ctx context.Context, a *txn.Attempt) (txn.Response, error) {
+		if _, err := txn.Foreign(ctx, a, "charge", func(context.Context, string) (int, error) { return 1, nil }); err != nil {
+			return txn.Response{}, err
+		}
+		if fail {
+			return txn.Response{}, context.DeadlineExceeded // left running, resumable
+		}
+		return a.Finish(ctx, func(context.Context, pgx.Tx) (txn.Response, error) { return txn.JSON(201, 1) })
+	})
+	require.NoError(t, reg.Register(wf))
+	r, err := txn.New(d.Pool, &txn.Config{Workflows: reg})
+	require.NoError(t, err)
+	_, err = r.RunWorkflow(ctx, txn.Key{Value: "k", Method: "POST", Path: "/p"}, wf)
+	require.ErrorIs(t, err, context.DeadlineExceeded)
+
+	err = migrations.DownTo(ctx, d.Pool, 9)
+	require.ErrorIs(t, err, migrations.ErrDataLossRefused)
+	require.ErrorContains(t, err, "atomicphase.allow_data_loss")
+	require.Equal(t, 1, d.Count(t, `SELECT count(*) FROM idempotency_keys WHERE foreign_key_seed IS NOT NULL`), "the seed is kept")
+
+	fail = false
+	_, err = r.Resume(ctx, "", "k")
+	require.NoError(t, err)
+	require.NoError(t, migrations.DownTo(ctx, d.Pool, 9), "no key runs: nothing to protect")
+	require.NoError(t, migrations.Up(ctx, d.Pool))
 }

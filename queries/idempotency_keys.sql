@@ -35,22 +35,23 @@ WHERE scope = @scope AND key = @key;
 -- function ever runs. A workflow key holds a lease from the start. Params
 -- are stored as their canonical bytes (request_params_raw), not as jsonb.
 -- A key with a live tombstone (deleted after its TTL) raises AP002 when
--- reject_expired is set; otherwise reused_expired says it was one.
+-- reject_expired is set; otherwise reused_expired says it was one. The
+-- foreign-key seed is stored with the row (migration 00010).
 INSERT INTO idempotency_keys (
     scope, key, fingerprint, request_method, request_path, request_params_raw,
     workflow, recovery_point, phase_results, status, lease_token, leased_until,
-    attempts, created_at, last_run_at
+    attempts, created_at, last_run_at, foreign_key_seed
 )
 SELECT @scope, @key, @fingerprint, @request_method, @request_path, @request_params::bytea,
        @workflow, 'started', '{}'::jsonb, 'running', @lease_token::uuid,
        clock_timestamp() + make_interval(secs => @lease_seconds::float8),
-       1, now(), now()
+       1, now(), now(), atomicphase_foreign_key_seed(@scope, @key)
 WHERE pg_try_advisory_xact_lock(
     hashtextextended(length(@scope::text)::text || ':' || @scope::text || @key::text,
                     'idempotency_keys'::regclass::oid::bigint))
   AND (NOT @reject_expired::boolean OR atomicphase_refuse_tombstoned(@scope, @key))
 ON CONFLICT (scope, key) DO NOTHING
-RETURNING id, ctid,
+RETURNING id, ctid, foreign_key_seed,
     (NOT @reject_expired::boolean AND atomicphase_key_tombstoned(@scope, @key))::boolean AS reused_expired;
 
 -- name: InsertSingleKey :one
@@ -106,7 +107,7 @@ SET lease_token      = CASE WHEN created_at > now() - make_interval(secs => @max
 WHERE id = @id
   AND status = 'running'
   AND (lease_token IS NULL OR leased_until <= now())
-RETURNING ctid, recovery_point, phase_results, phase_results_raw, attempts,
+RETURNING ctid, recovery_point, phase_results, phase_results_raw, attempts, foreign_key_seed,
           (status = 'failed')::boolean AS failed, response_status, response_headers, response_body;
 
 -- Fenced updates. The lease holder addresses its row by ctid (a TID scan

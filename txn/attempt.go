@@ -31,7 +31,8 @@ type Attempt struct {
 	req      request
 	workflow string
 	id       int64
-	tid      pgtype.TID // the key row's current ctid, for fenced updates
+	seed     pgtype.Int8 // the key row's foreign-key seed; NULL: derive from id
+	tid      pgtype.TID  // the key row's current ctid, for fenced updates
 	token    uuid.UUID
 	number   int
 	start    string
@@ -63,19 +64,24 @@ func (a *Attempt) Number() int { return a.number }
 func (a *Attempt) ResumedFrom() string { return a.start }
 
 // ForeignKey returns the idempotency key to pass to a foreign system for the
-// phase named phase: derived from the key's row, so it is the same on every
-// retry and resume of this operation, and different for a new operation
-// that reuses the key value after the old one expired.
+// phase named phase, derived from the key's scope, value, workflow and phase
+// and the row's seed: the same on every retry and resume of this operation,
+// also when a failover lost the key row and the client's retry runs the
+// operation again; and different for a new operation that reuses the key
+// value after cleanup (the seed comes from its tombstone). Rows written
+// before migration 00010 have no seed and derive it from the row's id.
 func (a *Attempt) ForeignKey(phase string) string {
 	h := sha256.New()
-	h.Write([]byte("atomicphase/foreign/v1\x00"))
-	var id [8]byte
-	binary.BigEndian.PutUint64(id[:], uint64(a.id))
-	h.Write(id[:])
+	var n [8]byte
+	if a.seed.Valid {
+		h.Write([]byte("atomicphase/foreign/v2\x00"))
+		h.Write(binary.BigEndian.AppendUint64(n[:0], uint64(a.seed.Int64)))
+	} else {
+		h.Write([]byte("atomicphase/foreign/v1\x00"))
+		h.Write(binary.BigEndian.AppendUint64(n[:0], uint64(a.id)))
+	}
 	for _, s := range []string{a.req.key.Scope, a.req.key.Value, a.workflow, phase} {
-		var n [8]byte
-		binary.BigEndian.PutUint64(n[:], uint64(len(s)))
-		h.Write(n[:])
+		h.Write(binary.BigEndian.AppendUint64(n[:0], uint64(len(s))))
 		h.Write([]byte(s))
 	}
 	return "ap_" + hex.EncodeToString(h.Sum(nil))

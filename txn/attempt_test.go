@@ -2,6 +2,9 @@ package txn_test
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/binary"
+	"encoding/hex"
 	"encoding/json"
 	"net/http"
 	"strings"
@@ -179,12 +182,106 @@ func TestForeignPhaseGetsStableDerivedKey(t *testing.T) {
 	require.True(t, strings.HasPrefix(keys[0], "ap_"))
 	require.Equal(t, "ch_"+keys[0][:8], string(resp.Body))
 
-	// A new operation under a reused key value (after expiry) derives a new key.
-	_, err = e.Pool.Exec(ctx, `DELETE FROM idempotency_keys`)
+	// A new operation under a reused key value (after cleanup, which
+	// leaves a tombstone) derives a new key.
+	_, err = e.Pool.Exec(ctx, `
+		WITH d AS (DELETE FROM idempotency_keys RETURNING scope, key, fingerprint, finished_at, response_status)
+		INSERT INTO idempotency_key_tombstones (scope, key_hash, fingerprint, finished_at, response_status, expires_at)
+		SELECT scope, sha256(convert_to(key, 'UTF8')), fingerprint, finished_at, response_status, now() FROM d`)
 	require.NoError(t, err)
 	_, err = e.runner.RunWorkflow(ctx, rideKey("k1"), wf)
 	require.NoError(t, err)
 	require.NotEqual(t, keys[0], keys[2])
+}
+
+// An operation whose key row was lost (a failover to an asynchronous
+// standby that had not received the commit) is run again by the client's
+// retry under a new row id, as the promoted server's sequence hands out:
+// its foreign call must reach the provider under the same key as the lost
+// one did, or the provider charges twice.
+func TestForeignKeyIsTheSameAfterTheKeyRowIsLost(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	var keys []string
+	wf := txn.NewWorkflow("lost", func(ctx context.Context, a *txn.Attempt) (txn.Response, error) {
+		ch, err := txn.Foreign(ctx, a, "charge", func(ctx context.Context, fk string) (string, error) {
+			keys = append(keys, fk)
+			return "ch_" + fk[:8], nil
+		})
+		if err != nil {
+			return txn.Response{}, err
+		}
+		return txn.Response{Status: 201, Body: []byte(ch)}, nil
+	})
+	require.NoError(t, e.reg.Register(wf))
+	_, err := e.runner.RunWorkflow(ctx, rideKey("k1"), wf)
+	require.NoError(t, err)
+
+	var before, after int64
+	require.NoError(t, e.Pool.QueryRow(ctx, `DELETE FROM idempotency_keys RETURNING id`).Scan(&before))
+	_, err = e.Pool.Exec(ctx, `SELECT setval(pg_get_serial_sequence('idempotency_keys', 'id'), nextval(pg_get_serial_sequence('idempotency_keys', 'id')) + 32)`)
+	require.NoError(t, err)
+	_, err = e.runner.RunWorkflow(ctx, rideKey("k1"), wf)
+	require.NoError(t, err)
+	require.NoError(t, e.Pool.QueryRow(ctx, `SELECT id FROM idempotency_keys`).Scan(&after))
+	require.NotEqual(t, before, after, "the retry's row has another id")
+	require.Len(t, keys, 2, "the lost operation runs again")
+	require.Equal(t, keys[0], keys[1], "under the foreign key the lost operation used")
+}
+
+// A key row written before migration 00010, or by an older binary during a
+// rolling deploy, has no seed: its foreign keys are still derived from its
+// id, as that binary derived them before it crashed.
+func TestForeignKeyOfARowWithoutSeedIsDerivedFromItsID(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	var keys []string
+	fail := true
+	wf := txn.NewWorkflow("legacy", func(ctx context.Context, a *txn.Attempt) (txn.Response, error) {
+		if _, err := txn.Atomic(ctx, a, "first", func(ctx context.Context, tx pgx.Tx) (int, error) { return 1, nil }); err != nil {
+			return txn.Response{}, err
+		}
+		ch, err := txn.Foreign(ctx, a, "charge", func(ctx context.Context, fk string) (string, error) {
+			keys = append(keys, fk)
+			if fail {
+				return "", errInjected
+			}
+			return "ch_" + fk[:8], nil
+		})
+		if err != nil {
+			return txn.Response{}, err
+		}
+		return txn.Response{Status: 201, Body: []byte(ch)}, nil
+	})
+	require.NoError(t, e.reg.Register(wf))
+	_, err := e.runner.RunWorkflow(ctx, rideKey("k1"), wf)
+	require.ErrorIs(t, err, errInjected)
+	var id int64
+	require.NoError(t, e.Pool.QueryRow(ctx, `UPDATE idempotency_keys SET foreign_key_seed = NULL RETURNING id`).Scan(&id))
+	_, err = e.runner.RunWorkflow(ctx, rideKey("k1"), wf)
+	require.ErrorIs(t, err, errInjected)
+	fail = false
+	_, err = e.runner.RunWorkflow(ctx, rideKey("k1"), wf)
+	require.NoError(t, err)
+	require.Len(t, keys, 3)
+	require.Equal(t, foreignKeyV1(id, "user_1", "k1", "legacy", "charge"), keys[1], "the key an older binary derived")
+	require.Equal(t, keys[1], keys[2])
+	require.NotEqual(t, keys[0], keys[1], "a seeded row derives another way")
+}
+
+// foreignKeyV1 is the derivation of releases before migration 00010, from
+// the key row's id: pinned here, because rows in flight depend on it.
+func foreignKeyV1(id int64, parts ...string) string {
+	h := sha256.New()
+	h.Write([]byte("atomicphase/foreign/v1\x00"))
+	h.Write(binary.BigEndian.AppendUint64(nil, uint64(id)))
+	for _, s := range parts {
+		h.Write(binary.BigEndian.AppendUint64(nil, uint64(len(s))))
+		h.Write([]byte(s))
+	}
+	return "ap_" + hex.EncodeToString(h.Sum(nil))
 }
 
 func TestPhaseMisuseIsReportedAndTransient(t *testing.T) {

@@ -113,7 +113,7 @@ func (r *Runner) acquire(ctx context.Context, req request, workflow string) (*At
 				r.noteExpiredReuse(ctx, req, workflow)
 			}
 			r.at(txnhook.AfterCommit, txnhook.CommitKey, "", 1, "")
-			return r.newAttempt(req, workflow, ins.ID, ins.Ctid, token, 1, pointStarted, nil, nil)
+			return r.newAttempt(req, workflow, ins.ID, ins.ForeignKeySeed, ins.Ctid, token, 1, pointStarted, nil, nil)
 		}
 	}
 	if err != nil {
@@ -187,7 +187,7 @@ func (r *Runner) takeOver(ctx context.Context, req request, workflow string, id 
 		r.noteTooOld(ctx, req, workflow)
 		return nil, resp, nil
 	}
-	return r.newAttempt(req, workflow, id, taken.Ctid, token, int(taken.Attempts), taken.RecoveryPoint,
+	return r.newAttempt(req, workflow, id, taken.ForeignKeySeed, taken.Ctid, token, int(taken.Attempts), taken.RecoveryPoint,
 		taken.PhaseResults, taken.PhaseResultsRaw)
 }
 
@@ -225,10 +225,10 @@ func (r *Runner) noteExpiredReuse(ctx context.Context, req request, workflow str
 // newAttempt starts an attempt holding the key's lease. The committed
 // phases' results are read from jsonb (rows written before results were
 // stored as bytes), then from the exact bytes, which win.
-func (r *Runner) newAttempt(req request, workflow string, id int64, tid pgtype.TID, token uuid.UUID, number int,
+func (r *Runner) newAttempt(req request, workflow string, id int64, seed pgtype.Int8, tid pgtype.TID, token uuid.UUID, number int,
 	point string, legacyResults, rawResults []byte) (*Attempt, Response, error) {
 	a := &Attempt{
-		r: r, req: req, workflow: workflow, id: id, tid: tid, token: token, number: number,
+		r: r, req: req, workflow: workflow, id: id, seed: seed, tid: tid, token: token, number: number,
 		start: point, point: point, results: map[string]json.RawMessage{}, seen: map[string]bool{},
 	}
 	for _, results := range [][]byte{legacyResults, rawResults} {

@@ -236,18 +236,18 @@ const insertKey = `-- name: InsertKey :one
 INSERT INTO idempotency_keys (
     scope, key, fingerprint, request_method, request_path, request_params_raw,
     workflow, recovery_point, phase_results, status, lease_token, leased_until,
-    attempts, created_at, last_run_at
+    attempts, created_at, last_run_at, foreign_key_seed
 )
 SELECT $1, $2, $3, $4, $5, $6::bytea,
        $7, 'started', '{}'::jsonb, 'running', $8::uuid,
        clock_timestamp() + make_interval(secs => $9::float8),
-       1, now(), now()
+       1, now(), now(), atomicphase_foreign_key_seed($1, $2)
 WHERE pg_try_advisory_xact_lock(
     hashtextextended(length($1::text)::text || ':' || $1::text || $2::text,
                     'idempotency_keys'::regclass::oid::bigint))
   AND (NOT $10::boolean OR atomicphase_refuse_tombstoned($1, $2))
 ON CONFLICT (scope, key) DO NOTHING
-RETURNING id, ctid,
+RETURNING id, ctid, foreign_key_seed,
     (NOT $10::boolean AND atomicphase_key_tombstoned($1, $2))::boolean AS reused_expired
 `
 
@@ -265,9 +265,10 @@ type InsertKeyParams struct {
 }
 
 type InsertKeyRow struct {
-	ID            int64
-	Ctid          pgtype.TID
-	ReusedExpired bool
+	ID             int64
+	Ctid           pgtype.TID
+	ForeignKeySeed pgtype.Int8
+	ReusedExpired  bool
 }
 
 // Creates a running key, taking a transaction-scoped advisory lock on
@@ -282,7 +283,8 @@ type InsertKeyRow struct {
 // function ever runs. A workflow key holds a lease from the start. Params
 // are stored as their canonical bytes (request_params_raw), not as jsonb.
 // A key with a live tombstone (deleted after its TTL) raises AP002 when
-// reject_expired is set; otherwise reused_expired says it was one.
+// reject_expired is set; otherwise reused_expired says it was one. The
+// foreign-key seed is stored with the row (migration 00010).
 func (q *Queries) InsertKey(ctx context.Context, arg InsertKeyParams) (InsertKeyRow, error) {
 	row := q.db.QueryRow(ctx, insertKey,
 		arg.Scope,
@@ -297,7 +299,12 @@ func (q *Queries) InsertKey(ctx context.Context, arg InsertKeyParams) (InsertKey
 		arg.RejectExpired,
 	)
 	var i InsertKeyRow
-	err := row.Scan(&i.ID, &i.Ctid, &i.ReusedExpired)
+	err := row.Scan(
+		&i.ID,
+		&i.Ctid,
+		&i.ForeignKeySeed,
+		&i.ReusedExpired,
+	)
 	return i, err
 }
 
@@ -545,7 +552,7 @@ SET lease_token      = CASE WHEN created_at > now() - make_interval(secs => $1::
 WHERE id = $7
   AND status = 'running'
   AND (lease_token IS NULL OR leased_until <= now())
-RETURNING ctid, recovery_point, phase_results, phase_results_raw, attempts,
+RETURNING ctid, recovery_point, phase_results, phase_results_raw, attempts, foreign_key_seed,
           (status = 'failed')::boolean AS failed, response_status, response_headers, response_body
 `
 
@@ -565,6 +572,7 @@ type TakeOverKeyRow struct {
 	PhaseResults    json.RawMessage
 	PhaseResultsRaw []byte
 	Attempts        int32
+	ForeignKeySeed  pgtype.Int8
 	Failed          bool
 	ResponseStatus  pgtype.Int4
 	ResponseHeaders json.RawMessage
@@ -596,6 +604,7 @@ func (q *Queries) TakeOverKey(ctx context.Context, arg TakeOverKeyParams) (TakeO
 		&i.PhaseResults,
 		&i.PhaseResultsRaw,
 		&i.Attempts,
+		&i.ForeignKeySeed,
 		&i.Failed,
 		&i.ResponseStatus,
 		&i.ResponseHeaders,

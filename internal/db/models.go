@@ -36,6 +36,7 @@ type IdempotencyKey struct {
 	FailureReason    pgtype.Text
 	RequestParamsRaw []byte
 	PhaseResultsRaw  []byte
+	ForeignKeySeed   pgtype.Int8
 	Ctid             pgtype.TID
 }
 
