@@ -47,6 +47,27 @@ func (c *Cluster) Kill() error {
 	return fmt.Errorf("pgcluster: postmaster %d still alive 10 s after SIGKILL", pid)
 }
 
+// PauseReplication stops this standby's WAL receiver with SIGSTOP, as a
+// network partition between it and its primary would: commits on an
+// asynchronous primary go on without it. resume sends SIGCONT.
+func (c *Cluster) PauseReplication() (resume func(), err error) {
+	pid, _, err := c.postmaster()
+	if err != nil {
+		return nil, err
+	}
+	for _, child := range childrenOf(pid) {
+		cmdline, _ := os.ReadFile("/proc/" + strconv.Itoa(child) + "/cmdline")
+		if !bytes.Contains(cmdline, []byte("walreceiver")) {
+			continue
+		}
+		if err := syscall.Kill(child, syscall.SIGSTOP); err != nil {
+			return nil, fmt.Errorf("pgcluster: pause walreceiver %d: %w", child, err)
+		}
+		return func() { _ = syscall.Kill(child, syscall.SIGCONT) }, nil
+	}
+	return nil, fmt.Errorf("pgcluster: no walreceiver: %s is not a streaming standby", c.dataDir)
+}
+
 // postmaster reads the server's process id and shared memory segment id
 // (-1 when it has none) from postmaster.pid.
 func (c *Cluster) postmaster() (pid, shmid int, err error) {

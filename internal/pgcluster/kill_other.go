@@ -12,3 +12,9 @@ import (
 func (c *Cluster) Kill() error {
 	return fmt.Errorf("pgcluster: kill: %w", errors.ErrUnsupported)
 }
+
+// PauseReplication stops this standby's WAL receiver. It needs Linux's
+// /proc to find it; elsewhere it returns errors.ErrUnsupported.
+func (c *Cluster) PauseReplication() (resume func(), err error) {
+	return nil, fmt.Errorf("pgcluster: pause replication: %w", errors.ErrUnsupported)
+}
