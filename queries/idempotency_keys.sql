@@ -159,9 +159,10 @@ WHERE ctid = @tid AND id = @id AND lease_token = @lease_token AND status = 'runn
 RETURNING ctid, (status = 'failed')::boolean AS failed, response_status, response_headers, response_body;
 
 -- name: LocateHeldKey :one
--- Finds the current ctid of a key whose lease this attempt still holds;
--- no row means the lease was lost.
-SELECT ctid FROM idempotency_keys
+-- Finds the current ctid of a key whose lease this attempt still holds, and
+-- its recovery point, which the attempt compares with the last phase it
+-- committed; no row means the lease was lost.
+SELECT ctid, recovery_point FROM idempotency_keys
 WHERE id = @id AND lease_token = @lease_token AND status = 'running';
 
 -- name: FinishKey :one

@@ -302,7 +302,8 @@ func (a *Attempt) nullToken() uuid.NullUUID { return uuid.NullUUID{UUID: a.token
 // phases from taking predicate locks on primary-key btree pages, which
 // would make unrelated keys conflict with each other. If the row is not at
 // its last known ctid, it is located by id and lease token (no row: the
-// lease was lost) and the update is tried there.
+// lease was lost) and the update is tried there, unless the key's recovery
+// point is not the last phase this attempt committed (errLostCommit).
 func (a *Attempt) fenced(ctx context.Context, q *db.Queries, update func(pgtype.TID) (pgtype.TID, error)) (pgtype.TID, error) {
 	tid, err := update(a.tid)
 	if !errors.Is(err, pgx.ErrNoRows) {
@@ -315,7 +316,10 @@ func (a *Attempt) fenced(ctx context.Context, q *db.Queries, update func(pgtype.
 	if err != nil {
 		return tid, err
 	}
-	tid, err = update(cur)
+	if cur.RecoveryPoint != a.point {
+		return tid, fmt.Errorf("%w (the key is at %q, this attempt committed %q)", errLostCommit, cur.RecoveryPoint, a.point)
+	}
+	tid, err = update(cur.Ctid)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return tid, ErrLeaseLost
 	}

@@ -446,3 +446,52 @@ func TestFinishRejectionBeforeAnyPhaseRollsBackAndLeavesNoKey(t *testing.T) {
 	require.Zero(t, e.Count(t, `SELECT count(*) FROM idempotency_keys`))
 	require.Zero(t, e.Count(t, `SELECT count(*) FROM charges`))
 }
+
+// A phase this attempt committed can vanish while the attempt holds the
+// lease: a failover to an asynchronous standby that had not received the
+// commit, where the key row (with the attempt's lease, committed earlier)
+// survives. The attempt must not build on the hole, committing later phases
+// and a response over a row that lacks the phase: its next commit finds
+// the key's recovery point behind its own and stops (ErrLeaseLost, 409),
+// giving the lease back; the retry resumes from the key's recovery point
+// and runs the lost phase again.
+func TestAttemptStopsWhenAPhaseItCommittedIsLost(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	var firstRuns atomic.Int64
+	lose := true
+	wf := txn.NewWorkflow("lossy", func(ctx context.Context, a *txn.Attempt) (txn.Response, error) {
+		id, err := txn.Atomic(ctx, a, "first", func(ctx context.Context, tx pgx.Tx) (int64, error) {
+			return firstRuns.Add(1), nil
+		})
+		if err != nil {
+			return txn.Response{}, err
+		}
+		if lose {
+			lose = false
+			// The server now holds the key as it was before "first"
+			// committed: recovery point, results and lease as inserted.
+			_, err := e.Pool.Exec(ctx, `UPDATE idempotency_keys SET recovery_point = 'started', phase_results_raw = NULL`)
+			require.NoError(t, err)
+		}
+		if _, err := txn.Foreign(ctx, a, "charge", func(ctx context.Context, fk string) (string, error) { return "ch", nil }); err != nil {
+			return txn.Response{}, err
+		}
+		return a.Finish(ctx, func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+			return txn.JSON(201, map[string]int64{"first": id})
+		})
+	})
+	require.NoError(t, e.reg.Register(wf))
+	_, err := e.runner.RunWorkflow(ctx, rideKey("k1"), wf)
+	require.ErrorIs(t, err, txn.ErrLeaseLost)
+	require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM idempotency_keys WHERE status = 'running' AND recovery_point = 'started' AND lease_token IS NULL`),
+		"nothing built on the hole; the lease given back")
+
+	resp, err := e.runner.RunWorkflow(ctx, rideKey("k1"), wf)
+	require.NoError(t, err, "the retry runs at once")
+	require.JSONEq(t, `{"first":2}`, string(resp.Body), "the lost phase ran again")
+	var results []byte
+	require.NoError(t, e.Pool.QueryRow(ctx, `SELECT phase_results_raw FROM idempotency_keys`).Scan(&results))
+	require.Contains(t, string(results), `"first":2`)
+}

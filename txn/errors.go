@@ -183,3 +183,12 @@ func cleanupFailed(err error) error {
 	}
 	return errors.New(err.Error())
 }
+
+// errLostCommit: the key still holds this attempt's lease, but its recovery
+// point is behind the last phase the attempt committed, so that commit is
+// gone: a failover to an asynchronous standby that had not received it (the
+// key's row and lease, committed earlier, had reached it). The attempt stops
+// rather than commit later phases and a response over the hole, and gives
+// the lease back; a retry resumes from the key's recovery point. It matches
+// ErrLeaseLost (409): the client retries.
+var errLostCommit = fmt.Errorf("%w: a phase this attempt committed is not on the server (a failover to a standby that had not received it); a retry resumes from the key's recovery point", ErrLeaseLost)

@@ -296,7 +296,9 @@ func (r *Runner) execute(ctx context.Context, a *Attempt, wf *Workflow) (Respons
 		var releaseErr error
 		if errors.Is(err, ErrLeaseLost) {
 			r.leaseLost.Add(1)
-		} else {
+		}
+		if !errors.Is(err, ErrLeaseLost) || errors.Is(err, errLostCommit) {
+			// The lease is this attempt's (after a lost commit, too).
 			releaseErr = r.release(ctx, a)
 		}
 		r.logFailure(ctx, a.req, wf.name, err, releaseErr)

@@ -362,7 +362,7 @@ func (q *Queries) InsertSingleKey(ctx context.Context, arg InsertSingleKeyParams
 }
 
 const locateHeldKey = `-- name: LocateHeldKey :one
-SELECT ctid FROM idempotency_keys
+SELECT ctid, recovery_point FROM idempotency_keys
 WHERE id = $1 AND lease_token = $2 AND status = 'running'
 `
 
@@ -371,13 +371,19 @@ type LocateHeldKeyParams struct {
 	LeaseToken uuid.NullUUID
 }
 
-// Finds the current ctid of a key whose lease this attempt still holds;
-// no row means the lease was lost.
-func (q *Queries) LocateHeldKey(ctx context.Context, arg LocateHeldKeyParams) (pgtype.TID, error) {
+type LocateHeldKeyRow struct {
+	Ctid          pgtype.TID
+	RecoveryPoint string
+}
+
+// Finds the current ctid of a key whose lease this attempt still holds, and
+// its recovery point, which the attempt compares with the last phase it
+// committed; no row means the lease was lost.
+func (q *Queries) LocateHeldKey(ctx context.Context, arg LocateHeldKeyParams) (LocateHeldKeyRow, error) {
 	row := q.db.QueryRow(ctx, locateHeldKey, arg.ID, arg.LeaseToken)
-	var ctid pgtype.TID
-	err := row.Scan(&ctid)
-	return ctid, err
+	var i LocateHeldKeyRow
+	err := row.Scan(&i.Ctid, &i.RecoveryPoint)
+	return i, err
 }
 
 const lockKey = `-- name: LockKey :exec
