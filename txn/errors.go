@@ -1,6 +1,7 @@
 package txn
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"net/http"
@@ -158,9 +159,10 @@ func HTTPStatus(err error) int {
 }
 
 // markUnavailable makes err match ErrUnavailable when the database could not
-// serve the operation (see pgerr.IsUnavailable), keeping its text.
-func markUnavailable(err error) error {
-	if err == nil || errors.Is(err, ErrUnavailable) || !pgerr.IsUnavailable(err) {
+// serve the operation (see pgerr.IsUnavailable), keeping its text; not when
+// the caller's ctx ended, which is why the operation stopped.
+func markUnavailable(ctx context.Context, err error) error {
+	if err == nil || ctx.Err() != nil || errors.Is(err, ErrUnavailable) || !pgerr.IsUnavailable(err) {
 		return err
 	}
 	return &unavailableError{err: err}

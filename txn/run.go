@@ -57,7 +57,7 @@ func (r *Runner) runPublic(ctx context.Context, key Key, fn Func) (Response, err
 	resp, err := r.run(ctx, req, fn)
 	if err != nil {
 		r.logFailure(ctx, req, "", err, nil)
-		return Response{}, markUnavailable(fmt.Errorf("txn: run: %w", err))
+		return Response{}, markUnavailable(ctx, fmt.Errorf("txn: run: %w", err))
 	}
 	return resp, nil
 }

@@ -43,7 +43,7 @@ func (r *Runner) RunWorkflow(ctx context.Context, key Key, wf *Workflow) (Respon
 		ctx = withWorkflow(ctx, name)
 	}
 	resp, err := r.runWorkflow(ctx, key, wf)
-	err = markUnavailable(err)
+	err = markUnavailable(ctx, err)
 	r.ended(ctx, span, start, name, key.Scope, resp, err)
 	return resp, err
 }
@@ -342,7 +342,7 @@ func (r *Runner) Resume(ctx context.Context, scope, value string) (Response, err
 	ctx, span, start := r.startSpan(ctx, telemetry.SpanResume)
 	ctx = withWorkflow(ctx, "") // named once the key is read
 	resp, err := r.resume(ctx, scope, value)
-	err = markUnavailable(err)
+	err = markUnavailable(ctx, err)
 	r.ended(ctx, span, start, workflowOf(ctx), scope, resp, err)
 	return resp, err
 }

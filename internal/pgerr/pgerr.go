@@ -89,7 +89,17 @@ func IsUndefinedTable(err error) bool { return Code(err) == UndefinedTable }
 // the server went away, the network failed, or the server is shutting down.
 // Whether a COMMIT sent just before such an error took effect is unknown.
 func IsConnection(err error) bool {
-	if err == nil || errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
+	if err == nil || errors.Is(err, context.Canceled) {
+		return false
+	}
+	// A connection that could not be made, also when connect_timeout
+	// expired (pgx wraps its own context.DeadlineExceeded then): a server
+	// that does not answer, such as a standby being promoted.
+	var connErr *pgconn.ConnectError
+	if errors.As(err, &connErr) {
+		return true
+	}
+	if errors.Is(err, context.DeadlineExceeded) {
 		return false
 	}
 	switch Code(err) {
@@ -103,10 +113,6 @@ func IsConnection(err error) bool {
 	// The driver reads io.EOF or io.ErrUnexpectedEOF when the server closed
 	// the connection under it, as a killed server does mid-statement.
 	if errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) {
-		return true
-	}
-	var connErr *pgconn.ConnectError
-	if errors.As(err, &connErr) {
 		return true
 	}
 	return pgconn.SafeToRetry(err) || pgconn.Timeout(err)
@@ -125,10 +131,13 @@ func IsReadOnly(err error) bool { return Code(err) == ReadOnlySQLTransaction }
 // operation as failed; whether a COMMIT sent just before a connection error
 // took effect is still unknown (see IsConnection).
 func IsUnavailable(err error) bool {
+	if IsConnection(err) {
+		return true
+	}
 	if err == nil || errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
 		return false
 	}
-	if IsConnection(err) || IsReadOnly(err) {
+	if IsReadOnly(err) {
 		return true
 	}
 	code := Code(err)

@@ -96,3 +96,38 @@ func TestConnectionClosedMidStatementIsUnavailable(t *testing.T) {
 		require.False(t, IsServerRejection(wrapped), "%v: it may have taken effect", err)
 	}
 }
+
+// A server that accepts connections but does not answer within
+// connect_timeout (a standby busy being promoted): pgx's connect error
+// wraps its own context.DeadlineExceeded, yet the caller's context did not
+// end. It is the database being unavailable.
+func TestConnectTimeoutIsUnavailable(t *testing.T) {
+	t.Parallel()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	defer ln.Close()
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			defer c.Close() // accepted, never answered
+		}
+	}()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	port := ln.Addr().(*net.TCPAddr).Port
+	_, err = pgconn.Connect(ctx, fmt.Sprintf("postgres://nobody@127.0.0.1:%d/none?connect_timeout=1&sslmode=disable", port))
+	require.Error(t, err)
+	require.NoError(t, ctx.Err())
+	require.True(t, IsConnection(err), "%v", err)
+	require.True(t, IsUnavailable(err), "%v", err)
+
+	// A caller that gave up is not told the database is unavailable.
+	cctx, ccancel := context.WithCancel(context.Background())
+	time.AfterFunc(100*time.Millisecond, ccancel)
+	_, err = pgconn.Connect(cctx, fmt.Sprintf("postgres://nobody@127.0.0.1:%d/none?sslmode=disable", port))
+	require.ErrorIs(t, err, context.Canceled)
+	require.False(t, IsUnavailable(err), "%v", err)
+}
