@@ -2,6 +2,7 @@ package pgcluster
 
 import (
 	"bytes"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -27,8 +28,26 @@ func (c *Cluster) Kill() error {
 	if err := syscall.Kill(pid, syscall.SIGSTOP); err != nil {
 		return fmt.Errorf("pgcluster: stop postmaster %d: %w", pid, err)
 	}
-	for _, child := range childrenOf(pid) {
-		_ = syscall.Kill(child, syscall.SIGKILL)
+	// A signal takes effect when the process next runs: until the
+	// postmaster is seen stopped, it may still fork a backend, which would
+	// outlive the kill, serve a client on a dead server and hang it on a
+	// lock a killed process held.
+	if err := waitFor(func() bool { return state(pid) == 'T' }); err != nil {
+		return fmt.Errorf("pgcluster: postmaster %d did not stop: %w", pid, err)
+	}
+	// Killed children stay visible as zombies (nobody reaps them while
+	// the postmaster is stopped); kill until none is alive.
+	if err := waitFor(func() bool {
+		live := 0
+		for _, child := range childrenOf(pid) {
+			if alive(child) {
+				live++
+				_ = syscall.Kill(child, syscall.SIGKILL)
+			}
+		}
+		return live == 0
+	}); err != nil {
+		return fmt.Errorf("pgcluster: children of postmaster %d survive SIGKILL: %w", pid, err)
 	}
 	if err := syscall.Kill(pid, syscall.SIGKILL); err != nil {
 		return fmt.Errorf("pgcluster: kill postmaster %d: %w", pid, err)
@@ -39,12 +58,52 @@ func (c *Cluster) Kill() error {
 	if shmid >= 0 {
 		_, _ = unix.SysvShmCtl(shmid, unix.IPC_RMID, nil)
 	}
-	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
-		if !alive(pid) {
+	if err := waitFor(func() bool { return !alive(pid) }); err != nil {
+		return fmt.Errorf("pgcluster: postmaster %d survives SIGKILL: %w", pid, err)
+	}
+	// Every server process works in the data directory: a last sweep
+	// kills any that escaped the above, wherever it was reparented.
+	if err := waitFor(func() bool {
+		live := 0
+		for _, p := range c.processes() {
+			live++
+			_ = syscall.Kill(p, syscall.SIGKILL)
+		}
+		return live == 0
+	}); err != nil {
+		return fmt.Errorf("pgcluster: server processes survive SIGKILL: %w", err)
+	}
+	return nil
+}
+
+// processes lists the live processes whose working directory is the
+// cluster's data directory: the server's.
+func (c *Cluster) processes() []int {
+	data, err := filepath.EvalSymlinks(c.dataDir)
+	if err != nil {
+		return nil
+	}
+	cwds, _ := filepath.Glob("/proc/[0-9]*/cwd")
+	var out []int
+	for _, cwd := range cwds {
+		if dir, err := os.Readlink(cwd); err != nil || dir != data {
+			continue
+		}
+		if pid, err := strconv.Atoi(filepath.Base(filepath.Dir(cwd))); err == nil && alive(pid) {
+			out = append(out, pid)
+		}
+	}
+	return out
+}
+
+// waitFor polls cond every millisecond for up to 10 seconds.
+func waitFor(cond func() bool) error {
+	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(time.Millisecond) {
+		if cond() {
 			return nil
 		}
 	}
-	return fmt.Errorf("pgcluster: postmaster %d still alive 10 s after SIGKILL", pid)
+	return errors.New("timed out after 10 s")
 }
 
 // PauseReplication stops this standby's WAL receiver with SIGSTOP, as a
@@ -118,10 +177,21 @@ func childrenOf(pid int) []int {
 
 // alive reports whether pid is a live process (a zombie is not).
 func alive(pid int) bool {
+	st := state(pid)
+	return st != 0 && st != 'Z' && st != 'X'
+}
+
+// state returns pid's state letter from /proc (R, S, T, Z, ...), or 0 when
+// there is no such process.
+func state(pid int) byte {
 	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
 	if err != nil {
-		return false
+		return 0
 	}
+	// pid (comm) state ...: comm may hold spaces and parentheses.
 	i := bytes.LastIndexByte(b, ')')
-	return i >= 0 && len(b) > i+2 && b[i+2] != 'Z'
+	if i < 0 || len(b) <= i+2 {
+		return 0
+	}
+	return b[i+2]
 }

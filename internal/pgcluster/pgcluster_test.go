@@ -4,6 +4,10 @@ import (
 	"context"
 	"errors"
 	"os"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -117,5 +121,58 @@ func TestStandbyPromotedAfterPrimaryKilled(t *testing.T) {
 	for _, dir := range dirs {
 		_, err = os.Stat(dir)
 		require.True(t, os.IsNotExist(err), "the cluster's files are removed")
+	}
+}
+
+// Kill leaves no process of the server behind, also while clients open
+// connections as fast as they can (the postmaster forking a backend for
+// each): a backend forked as the kill begins would outlive it and serve a
+// client on a dead server. Every server process has the data directory as
+// its working directory, which is how the survivors are looked for.
+func TestKillLeavesNoProcessWhileConnectionsOpen(t *testing.T) {
+	if runtime.GOOS != "linux" {
+		t.Skip("Kill needs Linux's /proc")
+	}
+	for range 3 {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		c, err := pgcluster.Start(ctx, pgcluster.Options{})
+		if errors.Is(err, pgcluster.ErrNoBinaries) && os.Getenv("CI") == "" {
+			cancel()
+			t.Skip("PostgreSQL server binaries are not installed here; CI has them")
+		}
+		require.NoError(t, err)
+		stop := make(chan struct{})
+		var wg sync.WaitGroup
+		for range 8 {
+			wg.Go(func() {
+				for {
+					select {
+					case <-stop:
+						return
+					default:
+					}
+					if conn, err := pgx.Connect(ctx, c.ConnString("postgres")); err == nil {
+						_ = conn.Close(ctx)
+					}
+				}
+			})
+		}
+		time.Sleep(200 * time.Millisecond)
+		require.NoError(t, c.Kill())
+		close(stop)
+		wg.Wait()
+		data, err := filepath.EvalSymlinks(c.DataDir())
+		require.NoError(t, err)
+		cwds, _ := filepath.Glob("/proc/[0-9]*/cwd")
+		for _, cwd := range cwds {
+			if dir, err := os.Readlink(cwd); err == nil && dir == data {
+				status, _ := os.ReadFile(filepath.Join(filepath.Dir(cwd), "status"))
+				if !strings.Contains(string(status), "zombie") {
+					t.Errorf("a server process survived Kill: %s", filepath.Dir(cwd))
+				}
+			}
+		}
+		require.NoError(t, c.Stop())
+		cancel()
 	}
 }
