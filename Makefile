@@ -43,7 +43,7 @@ test: ## Run every test with the race detector (see README: Testing)
 	$(GO) test -race -count=1 ./...
 
 .PHONY: torture
-torture: ## The long reliability run: crash matrix, faults, restarts, storms x20, fuzzing 2m each
+torture: ## The long reliability run: crash matrix, faults, restarts, failovers and storms x20, fuzzing 2m each
 	TORTURE_ITERATIONS=20 $(GO) test -race -count=1 -timeout 90m ./internal/torture
 	$(GO) test -race -count=5 -timeout 30m -run 'Fifty|Unrelated|Ambiguous|Connections|Terminated' ./txn
 	$(MAKE) fuzz FUZZTIME=2m
