@@ -16,6 +16,7 @@ type Table struct {
 	Unit       string // throughput unit, e.g. "ops/s"
 	LatencyCol string // what the latency columns measure
 	RatioCol   string // what the ratio column divides by
+	LimitCol   string // what the second ratio column divides by; "": no such column
 	Rows       []Row
 	Notes      []string
 	Goals      []Goal
@@ -28,6 +29,7 @@ type Row struct {
 	Throughput float64
 	P50, P99   time.Duration
 	Ratio      float64       // NaN: not applicable
+	Limit      float64       // the ratio to the hand-written limit; NaN: not applicable
 	RoundTrips float64       // 0: not counted
 	CPU        time.Duration // machine CPU per op; 0: not measured
 	Errors     int
@@ -45,7 +47,7 @@ func rowFrom(system string, c int, r harness.Result, ratio float64) Row {
 	return Row{
 		System: system, C: c, Throughput: r.Throughput(),
 		P50: r.Percentile(50), P99: r.Percentile(99),
-		Ratio: ratio, RoundTrips: r.RoundTrips, CPU: r.CPUPerOp, Errors: r.Errors,
+		Ratio: ratio, Limit: math.NaN(), RoundTrips: r.RoundTrips, CPU: r.CPUPerOp, Errors: r.Errors,
 	}
 }
 
@@ -63,12 +65,23 @@ func (t *Table) Markdown(w io.Writer) {
 	if lat == "" {
 		lat = "latency"
 	}
-	fmt.Fprintf(w, "| system | c | %s | %s p50 ms | %s p99 ms | %s | round trips/op | CPU ms/op | errors |\n", t.Unit, lat, lat, t.RatioCol)
-	fmt.Fprintf(w, "|---|--:|--:|--:|--:|--:|--:|--:|--:|\n")
+	limitH, limitSep := "", ""
+	if t.LimitCol != "" {
+		limitH, limitSep = " "+t.LimitCol+" |", "--:|"
+	}
+	fmt.Fprintf(w, "| system | c | %s | %s p50 ms | %s p99 ms | %s |%s round trips/op | CPU ms/op | errors |\n", t.Unit, lat, lat, t.RatioCol, limitH)
+	fmt.Fprintf(w, "|---|--:|--:|--:|--:|--:|%s--:|--:|--:|\n", limitSep)
 	for _, r := range t.Rows {
 		ratioS := "-"
 		if !math.IsNaN(r.Ratio) {
 			ratioS = fmt.Sprintf("%.2f", r.Ratio)
+		}
+		if t.LimitCol != "" {
+			limitS := "-"
+			if !math.IsNaN(r.Limit) {
+				limitS = fmt.Sprintf("%.2f", r.Limit)
+			}
+			ratioS += " | " + limitS
 		}
 		rt := "-"
 		if r.RoundTrips > 0 {
