@@ -72,11 +72,10 @@ type failoverLoad struct {
 	flow   *flow
 	keys   int // operations: even ones are workflows, odd ones single-phase Runs
 
-	mu       sync.Mutex
-	acked    map[int]ackedOp // operations acknowledged to their client
-	errs     map[string]int  // errors clients saw, by HTTP status and sentinel
-	bad      []error         // errors a client must never see
-	payments map[int]txn.Response
+	mu    sync.Mutex
+	acked map[int]ackedOp // operations acknowledged to their client
+	errs  map[string]int  // errors clients saw, by HTTP status
+	bad   []error         // errors a client must never see
 }
 
 type ackedOp struct{ body string }
