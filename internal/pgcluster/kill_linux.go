@@ -152,23 +152,14 @@ func (c *Cluster) postmaster() (pid, shmid int, err error) {
 
 // childrenOf lists the processes whose parent is pid.
 func childrenOf(pid int) []int {
-	stats, _ := filepath.Glob("/proc/[0-9]*/stat")
+	dirs, _ := filepath.Glob("/proc/[0-9]*")
 	var out []int
-	for _, p := range stats {
-		b, err := os.ReadFile(p)
+	for _, d := range dirs {
+		child, err := strconv.Atoi(filepath.Base(d))
 		if err != nil {
 			continue
 		}
-		// pid (comm) state ppid ...: comm may hold spaces and parentheses.
-		i := bytes.LastIndexByte(b, ')')
-		if i < 0 {
-			continue
-		}
-		f := strings.Fields(string(b[i+1:]))
-		if len(f) < 2 || f[1] != strconv.Itoa(pid) {
-			continue
-		}
-		if child, err := strconv.Atoi(filepath.Base(filepath.Dir(p))); err == nil {
+		if _, ppid := procStat(child); ppid == pid {
 			out = append(out, child)
 		}
 	}
@@ -177,21 +168,33 @@ func childrenOf(pid int) []int {
 
 // alive reports whether pid is a live process (a zombie is not).
 func alive(pid int) bool {
-	st := state(pid)
+	st, _ := procStat(pid)
 	return st != 0 && st != 'Z' && st != 'X'
 }
 
 // state returns pid's state letter from /proc (R, S, T, Z, ...), or 0 when
 // there is no such process.
 func state(pid int) byte {
+	st, _ := procStat(pid)
+	return st
+}
+
+// procStat reads pid's state letter and parent from /proc/PID/stat; state
+// is 0 when there is no such process.
+func procStat(pid int) (state byte, ppid int) {
 	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
 	if err != nil {
-		return 0
+		return 0, 0
 	}
-	// pid (comm) state ...: comm may hold spaces and parentheses.
+	// pid (comm) state ppid ...: comm may hold spaces and parentheses.
 	i := bytes.LastIndexByte(b, ')')
-	if i < 0 || len(b) <= i+2 {
-		return 0
+	if i < 0 {
+		return 0, 0
 	}
-	return b[i+2]
+	f := strings.Fields(string(b[i+1:]))
+	if len(f) < 2 {
+		return 0, 0
+	}
+	ppid, _ = strconv.Atoi(f[1])
+	return f[0][0], ppid
 }

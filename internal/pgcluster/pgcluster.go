@@ -55,20 +55,10 @@ type Cluster struct {
 
 // Start creates and starts a cluster. Call Stop to shut it down and delete it.
 func Start(ctx context.Context, opts Options) (*Cluster, error) {
-	c, err := newCluster(opts)
-	if err != nil {
-		return nil, err
-	}
-	if err := c.run(ctx, "initdb", "-D", c.dataDir, "-U", "postgres", "-A", "trust",
-		"-E", "UTF8", "--no-locale", "--no-sync"); err != nil {
-		_ = os.RemoveAll(c.dir)
-		return nil, err
-	}
-	if err := c.start(ctx, opts); err != nil {
-		_ = os.RemoveAll(c.dir)
-		return nil, err
-	}
-	return c, nil
+	return create(ctx, opts, func(c *Cluster) error {
+		return c.run(ctx, "initdb", "-D", c.dataDir, "-U", "postgres", "-A", "trust",
+			"-E", "UTF8", "--no-locale", "--no-sync")
+	})
 }
 
 // StartStandby creates a streaming-replication standby of c with
@@ -77,20 +67,28 @@ func Start(ctx context.Context, opts Options) (*Cluster, error) {
 // replication, set synchronous_standby_names on the primary's Settings; give
 // the standby a Port other than the primary's. Call Stop to remove it.
 func (c *Cluster) StartStandby(ctx context.Context, opts Options) (*Cluster, error) {
-	s, err := newCluster(opts)
+	return create(ctx, opts, func(s *Cluster) error {
+		return s.run(ctx, "pg_basebackup", "-D", s.dataDir, "-R", "-X", "stream", "-c", "fast", "--no-sync",
+			"-h", c.sockDir, "-p", strconv.Itoa(c.port), "-U", "postgres")
+	})
+}
+
+// create makes a cluster's directory, fills its data directory with
+// initData and starts the server; on failure it removes the directory.
+func create(ctx context.Context, opts Options, initData func(*Cluster) error) (*Cluster, error) {
+	c, err := newCluster(opts)
 	if err != nil {
 		return nil, err
 	}
-	if err := s.run(ctx, "pg_basebackup", "-D", s.dataDir, "-R", "-X", "stream", "-c", "fast", "--no-sync",
-		"-h", c.sockDir, "-p", strconv.Itoa(c.port), "-U", "postgres"); err != nil {
-		_ = os.RemoveAll(s.dir)
+	if err := initData(c); err != nil {
+		_ = os.RemoveAll(c.dir)
 		return nil, err
 	}
-	if err := s.start(ctx, opts); err != nil {
-		_ = os.RemoveAll(s.dir)
+	if err := c.start(ctx, opts); err != nil {
+		_ = os.RemoveAll(c.dir)
 		return nil, err
 	}
-	return s, nil
+	return c, nil
 }
 
 func newCluster(opts Options) (*Cluster, error) {

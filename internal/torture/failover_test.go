@@ -7,7 +7,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"os"
-	"sort"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -225,7 +225,7 @@ func failoverOnce(t *testing.T, synchronous bool, seed uint64) {
 		}
 	}
 	l.mu.Unlock()
-	sort.Ints(lost)
+	slices.Sort(lost)
 	require.Empty(t, l.bad, "clients saw only errors they retry (503, 409)")
 
 	if synchronous {
@@ -246,7 +246,7 @@ func failoverOnce(t *testing.T, synchronous bool, seed uint64) {
 	// Acknowledged responses: every acknowledged operation that was not
 	// lost still answers what its client was told.
 	for i, op := range l.acked {
-		if containsInt(lost, i) {
+		if slices.Contains(lost, i) {
 			continue
 		}
 		resp, err := l.run(ctx, i)
@@ -341,15 +341,6 @@ func streamMessages(t *testing.T, ctx context.Context, st jetstream.Stream) map[
 		out[id] = streamMessage{key: p.Key, payload: string(msg.Data())}
 	}
 	return out
-}
-
-func containsInt(s []int, v int) bool {
-	for _, x := range s {
-		if x == v {
-			return true
-		}
-	}
-	return false
 }
 
 // A phase in flight while the primary dies and the standby is promoted is

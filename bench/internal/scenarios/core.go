@@ -171,16 +171,12 @@ func (s *Suite) RunCore(ctx context.Context, s1, s2, s3 bool) error {
 			if err != nil {
 				return err
 			}
-			hrow := rowFrom(handKeyed.name, c, h, ratio(h.Throughput(), bt))
-			hrow.Limit = 1
-			t1.Rows = append(t1.Rows, hrow)
+			t1.add(handKeyed.name, c, h, bt, h.Throughput())
 			r, err := s.measure(ctx, singlePhase, c)
 			if err != nil {
 				return err
 			}
-			row := rowFrom(singlePhase.name, c, r, ratio(r.Throughput(), bt))
-			row.Limit = ratio(r.Throughput(), h.Throughput())
-			t1.Rows = append(t1.Rows, row)
+			row := t1.add(singlePhase.name, c, r, bt, h.Throughput())
 			if q := row.Limit; q < minRun {
 				minRun, minRunGot = q, fmt.Sprintf("lowest %.2f at c=%d (%.2f of bare)", q, c, row.Ratio)
 			}
@@ -208,18 +204,14 @@ func (s *Suite) RunCore(ctx context.Context, s1, s2, s3 bool) error {
 			if err != nil {
 				return err
 			}
-			hrow := rowFrom(handTwoTx.name, c, h, ratio(h.Throughput(), bt))
-			hrow.Limit = 1
-			t3.Rows = append(t3.Rows, hrow)
+			t3.add(handTwoTx.name, c, h, bt, h.Throughput())
 			var ours float64
 			for _, sub := range []subject{ourWorkflow, dbosWorkflow, riverJob} {
 				r, err := s.measure(ctx, sub, c)
 				if err != nil {
 					return err
 				}
-				row := rowFrom(sub.name, c, r, ratio(r.Throughput(), bt))
-				row.Limit = ratio(r.Throughput(), h.Throughput())
-				t3.Rows = append(t3.Rows, row)
+				row := t3.add(sub.name, c, r, bt, h.Throughput())
 				switch sub.name {
 				case ourWorkflow.name:
 					ours = r.Throughput()

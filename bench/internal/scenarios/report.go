@@ -51,6 +51,16 @@ func rowFrom(system string, c int, r harness.Result, ratio float64) Row {
 	}
 }
 
+// add appends system's row at concurrency c, with its throughput as a
+// ratio to the bare baseline's and to the hand-written limit's, and
+// returns it.
+func (t *Table) add(system string, c int, r harness.Result, bare, limit float64) Row {
+	row := rowFrom(system, c, r, ratio(r.Throughput(), bare))
+	row.Limit = ratio(r.Throughput(), limit)
+	t.Rows = append(t.Rows, row)
+	return row
+}
+
 func ratio(a, b float64) float64 {
 	if b == 0 {
 		return math.NaN()
