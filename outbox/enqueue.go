@@ -39,7 +39,14 @@ const NotifyChannel = "atomicphase_outbox"
 // invalid one fails the call with an error matching ErrInvalidMessage (and
 // ErrInvalidTopic, ErrPayloadTooLarge or ErrInvalidHeader where one applies)
 // and nothing is written. The messages are then written in one round trip,
-// which also queues one notification to wake the relays at commit.
+// which also queues one notification to wake the relays at commit if a relay
+// is idle and listening. While every relay is busy (or none runs), no
+// notification is sent: PostgreSQL serialises the commits of notifying
+// transactions, and a busy relay finds the messages in its next batch. The
+// statement holds a shared advisory lock until tx ends, which a relay takes
+// exclusively before it waits idle, so that it finds what was committed
+// without a notification; a long transaction after Enqueue delays a relay
+// going idle by up to 200 ms at a time, during which it polls.
 //
 // Ordering: for each distinct ordering key among msgs, Enqueue first takes a
 // transaction-scoped advisory lock, and only then draws the messages' ids.
@@ -62,12 +69,13 @@ func Enqueue(ctx context.Context, tx pgx.Tx, msgs ...Message) error {
 		return nil
 	}
 	p := db.EnqueueMessagesParams{
-		Channel:      NotifyChannel,
-		Topics:       make([]string, len(msgs)),
-		OrderingKeys: make([]string, len(msgs)),
-		Payloads:     make([][]byte, len(msgs)),
-		Headers:      make([]string, len(msgs)),
-		DelaysUs:     make([]int64, len(msgs)),
+		Channel:       NotifyChannel,
+		IdleLockClass: idleLockClass,
+		Topics:        make([]string, len(msgs)),
+		OrderingKeys:  make([]string, len(msgs)),
+		Payloads:      make([][]byte, len(msgs)),
+		Headers:       make([]string, len(msgs)),
+		DelaysUs:      make([]int64, len(msgs)),
 	}
 	trace := traceHeaders(ctx)
 	for i := range msgs {

@@ -69,21 +69,32 @@ func (r *Relay) run(ctx context.Context) {
 }
 
 // loop is the background service. A full batch is followed at once by the
-// next one, any other non-empty batch after wakeCooldown; after an empty one
-// the relay waits for a wake-up (a notification, or the listener's start),
-// the next retry or delayed message falling due, or PollInterval. Wake-ups are taken at most once per wakeCooldown, so that a
-// stream of committing transactions, each notifying every relay, costs each
-// relay a bounded number of claims rather than one per commit.
+// next one, any other non-empty batch after wakeCooldown. After an empty one
+// the relay announces itself idle (takes the idle lock, so that producers
+// notify from then on, once the producers that did not have committed), runs
+// one more batch to find what they committed, and if that is empty waits,
+// still announced, for a wake-up (a notification, Wake, or the listener's
+// start), the next retry or delayed message falling due, or PollInterval; it
+// leaves the idle state before its next batch. Wake-ups are taken at most
+// once per wakeCooldown, so that a stream of committing transactions, each
+// notifying every idle relay, costs each relay a bounded number of claims
+// rather than one per commit.
 func (r *Relay) loop(ctx context.Context) {
 	timer := time.NewTimer(time.Hour)
 	defer timer.Stop()
 	defer r.log.Info("outbox: relay stopped")
-	failures := 0 // consecutive failed batches
+	defer r.closeIdleConn()
+	failures := 0      // consecutive failed batches
+	announced := false // this relay holds the idle lock
 	for {
 		started := time.Now()
 		b, err := r.runBatch(ctx)
 		if ctx.Err() != nil {
 			return
+		}
+		if announced && (err != nil || b.claimed > 0) {
+			r.leaveIdle(ctx)
+			announced = false
 		}
 		var wait time.Duration
 		switch {
@@ -101,7 +112,21 @@ func (r *Relay) loop(ctx context.Context) {
 			wait = wakeCooldown
 		default:
 			failures = 0
-			wait = r.cfg.PollInterval
+			if !announced {
+				switch r.announceIdle(ctx) {
+				case idleAnnounced:
+					announced = true
+					continue // find what producers that did not notify committed
+				case idleBusy:
+					wait = wakeCooldown
+				}
+				if ctx.Err() != nil {
+					return
+				}
+			}
+			if wait == 0 {
+				wait = r.cfg.PollInterval
+			}
 			if b.nextDue >= 0 {
 				// A millisecond late, so the database clock has passed it.
 				wait = min(wait, max(b.nextDue-time.Since(started), 0)+time.Millisecond)
@@ -115,16 +140,19 @@ func (r *Relay) loop(ctx context.Context) {
 		case <-ctx.Done():
 			return
 		case <-timer.C:
-			continue
 		case <-r.wake:
-		}
-		if rest := wakeCooldown - time.Since(started); rest > 0 {
-			timer.Reset(rest)
-			select {
-			case <-ctx.Done():
-				return
-			case <-timer.C:
+			if rest := wakeCooldown - time.Since(started); rest > 0 {
+				timer.Reset(rest)
+				select {
+				case <-ctx.Done():
+					return
+				case <-timer.C:
+				}
 			}
+		}
+		if announced {
+			r.leaveIdle(ctx)
+			announced = false
 		}
 	}
 }

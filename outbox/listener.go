@@ -25,6 +25,9 @@ func (r *Relay) listen(ctx context.Context) {
 	for {
 		connected, err := r.listenOnce(ctx)
 		r.listening.Store(false)
+		// A loop waiting announced idle would have producers notify a
+		// relay that no longer listens: wake it, so it leaves that state.
+		r.signal()
 		if ctx.Err() != nil {
 			return
 		}
@@ -53,11 +56,7 @@ func (r *Relay) listenOnce(ctx context.Context) (connected bool, err error) {
 	// The connection leaves the pool: it stays in LISTEN state and is
 	// closed, never reused, when the listener ends.
 	conn := pc.Hijack()
-	defer func() {
-		cctx, cancel := context.WithTimeout(context.Background(), time.Second)
-		defer cancel()
-		_ = conn.Close(cctx)
-	}()
+	defer closeConn(conn)
 	var schema string
 	if err := conn.QueryRow(ctx, "SELECT coalesce(current_schema(), '')").Scan(&schema); err != nil {
 		return false, err

@@ -8,6 +8,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/atomicphase/atomicphase/internal/backoff"
@@ -63,9 +64,16 @@ type Relay struct {
 	prepMu   sync.Mutex  // serializes PrepareRelay calls
 	prepared atomic.Bool // PrepareRelay succeeded
 
+	// idleConn holds the idle lock while the loop waits announced idle; the
+	// loop's own, nil while closed.
+	idleConn *pgx.Conn
+
 	// testHookIdle, when set before Start, runs each time the loop is about
 	// to wait for a notification or its timer.
 	testHookIdle func()
+	// testHookBeforeIdle, when set before Start, runs each time the loop,
+	// listening, is about to announce itself idle.
+	testHookBeforeIdle func()
 }
 
 var (

@@ -6,8 +6,16 @@
 --   2. inserted: the rows, in argument order, with ids drawn only after every
 --      lock is held (the locks CTE gates the insert's only input row source),
 --      so within an ordering key id order equals commit order;
---   3. one notification for the relays; PostgreSQL folds identical
+--   3. idle: a shared, transaction-scoped try-lock on the relays' idle lock
+--      (see LockRelayIdle). It fails only while a relay holds the lock (it is
+--      idle and listening) or waits for it (it is about to be);
+--   4. a notification for the relays only then; PostgreSQL folds identical
 --      notifications of one transaction into one, delivered at commit.
+--      NOTIFY takes a database-wide lock at commit that serialises every
+--      notifying transaction, so producers skip it while no relay waits.
+--      A producer that skipped it holds the shared lock until it ends, so a
+--      relay announcing itself idle waits for that commit and then finds the
+--      rows in the batch it runs next.
 -- The notification payload is the schema the rows went to, so a relay serving
 -- another schema of the same database ignores it.
 WITH locks AS MATERIALIZED (
@@ -37,8 +45,15 @@ inserted AS (
     WHERE (SELECT count(*) FROM locks) >= 0
     ORDER BY m.ord
     RETURNING id
+),
+idle AS MATERIALIZED (
+    SELECT NOT pg_try_advisory_xact_lock_shared(@idle_lock_class::integer,
+        ('outbox_messages'::regclass::oid::bigint - 2147483648)::integer) AS relay_idle
 )
-SELECT pg_notify(@channel::text, coalesce(current_schema(), '')), (SELECT count(*) FROM inserted);
+SELECT (SELECT count(*) FROM inserted) AS inserted,
+       (SELECT count(*) FROM (
+           SELECT pg_notify(@channel::text, coalesce(current_schema(), '')) FROM idle WHERE relay_idle
+       ) AS n) AS notified;
 
 -- name: ClaimMessages :many
 -- Claims the next publishable messages and locks them until the caller's
@@ -189,3 +204,32 @@ SELECT now()::timestamptz AS now;
 -- Wakes the relays listening for this schema's messages, at commit, as
 -- EnqueueMessages does.
 SELECT pg_notify(@channel::text, coalesce(current_schema(), ''));
+
+-- name: LockRelayIdle :exec
+-- Takes, on a relay's own connection, the session-scoped advisory lock that
+-- announces a relay idle and listening: while it is held or awaited, every
+-- EnqueueMessages notifies. Taking it waits for the producers that skipped
+-- their notification (they hold the lock shared until they end), so a batch
+-- run after it returns sees their rows. The wait is bounded by the session's
+-- lock_timeout. The lock is named after the outbox_messages table's oid, so
+-- installations in other schemas of one database do not share it.
+SELECT pg_advisory_lock(@idle_lock_class::integer,
+    ('outbox_messages'::regclass::oid::bigint - 2147483648)::integer);
+
+-- name: UnlockRelayIdle :exec
+-- Releases the lock LockRelayIdle took: the relay is busy again.
+SELECT pg_advisory_unlock(@idle_lock_class::integer,
+    ('outbox_messages'::regclass::oid::bigint - 2147483648)::integer);
+
+-- name: RelayIdleHeldElsewhere :one
+-- Reports whether another session holds the idle lock (another relay is idle
+-- and listening, so producers notify), as opposed to producers holding it
+-- shared.
+SELECT EXISTS (
+    SELECT FROM pg_catalog.pg_locks
+    WHERE locktype = 'advisory' AND granted AND mode = 'ExclusiveLock'
+      AND database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())
+      AND classid = (@idle_lock_class::integer)::oid
+      AND objid = (('outbox_messages'::regclass::oid::bigint - 2147483648)::integer)::oid
+      AND objsubid = 2 AND pid <> pg_backend_pid()
+) AS held;

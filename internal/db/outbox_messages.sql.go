@@ -146,8 +146,15 @@ inserted AS (
     WHERE (SELECT count(*) FROM locks) >= 0
     ORDER BY m.ord
     RETURNING id
+),
+idle AS MATERIALIZED (
+    SELECT NOT pg_try_advisory_xact_lock_shared($8::integer,
+        ('outbox_messages'::regclass::oid::bigint - 2147483648)::integer) AS relay_idle
 )
-SELECT pg_notify($1::text, coalesce(current_schema(), '')), (SELECT count(*) FROM inserted)
+SELECT (SELECT count(*) FROM inserted) AS inserted,
+       (SELECT count(*) FROM (
+           SELECT pg_notify($1::text, coalesce(current_schema(), '')) FROM idle WHERE relay_idle
+       ) AS n) AS notified
 `
 
 type EnqueueMessagesParams struct {
@@ -158,6 +165,7 @@ type EnqueueMessagesParams struct {
 	Payloads         [][]byte
 	Headers          []string
 	DelaysUs         []int64
+	IdleLockClass    int32
 }
 
 // Stages messages in the caller's transaction, in one statement:
@@ -167,8 +175,16 @@ type EnqueueMessagesParams struct {
 //  2. inserted: the rows, in argument order, with ids drawn only after every
 //     lock is held (the locks CTE gates the insert's only input row source),
 //     so within an ordering key id order equals commit order;
-//  3. one notification for the relays; PostgreSQL folds identical
+//  3. idle: a shared, transaction-scoped try-lock on the relays' idle lock
+//     (see LockRelayIdle). It fails only while a relay holds the lock (it is
+//     idle and listening) or waits for it (it is about to be);
+//  4. a notification for the relays only then; PostgreSQL folds identical
 //     notifications of one transaction into one, delivered at commit.
+//     NOTIFY takes a database-wide lock at commit that serialises every
+//     notifying transaction, so producers skip it while no relay waits.
+//     A producer that skipped it holds the shared lock until it ends, so a
+//     relay announcing itself idle waits for that commit and then finds the
+//     rows in the batch it runs next.
 //
 // The notification payload is the schema the rows went to, so a relay serving
 // another schema of the same database ignores it.
@@ -181,7 +197,25 @@ func (q *Queries) EnqueueMessages(ctx context.Context, arg EnqueueMessagesParams
 		arg.Payloads,
 		arg.Headers,
 		arg.DelaysUs,
+		arg.IdleLockClass,
 	)
+	return err
+}
+
+const lockRelayIdle = `-- name: LockRelayIdle :exec
+SELECT pg_advisory_lock($1::integer,
+    ('outbox_messages'::regclass::oid::bigint - 2147483648)::integer)
+`
+
+// Takes, on a relay's own connection, the session-scoped advisory lock that
+// announces a relay idle and listening: while it is held or awaited, every
+// EnqueueMessages notifies. Taking it waits for the producers that skipped
+// their notification (they hold the lock shared until they end), so a batch
+// run after it returns sees their rows. The wait is bounded by the session's
+// lock_timeout. The lock is named after the outbox_messages table's oid, so
+// installations in other schemas of one database do not share it.
+func (q *Queries) LockRelayIdle(ctx context.Context, idleLockClass int32) error {
+	_, err := q.db.Exec(ctx, lockRelayIdle, idleLockClass)
 	return err
 }
 
@@ -415,4 +449,36 @@ func (q *Queries) RedriveMessages(ctx context.Context, arg RedriveMessagesParams
 		return nil, err
 	}
 	return items, nil
+}
+
+const relayIdleHeldElsewhere = `-- name: RelayIdleHeldElsewhere :one
+SELECT EXISTS (
+    SELECT FROM pg_catalog.pg_locks
+    WHERE locktype = 'advisory' AND granted AND mode = 'ExclusiveLock'
+      AND database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())
+      AND classid = ($1::integer)::oid
+      AND objid = (('outbox_messages'::regclass::oid::bigint - 2147483648)::integer)::oid
+      AND objsubid = 2 AND pid <> pg_backend_pid()
+) AS held
+`
+
+// Reports whether another session holds the idle lock (another relay is idle
+// and listening, so producers notify), as opposed to producers holding it
+// shared.
+func (q *Queries) RelayIdleHeldElsewhere(ctx context.Context, idleLockClass int32) (bool, error) {
+	row := q.db.QueryRow(ctx, relayIdleHeldElsewhere, idleLockClass)
+	var held bool
+	err := row.Scan(&held)
+	return held, err
+}
+
+const unlockRelayIdle = `-- name: UnlockRelayIdle :exec
+SELECT pg_advisory_unlock($1::integer,
+    ('outbox_messages'::regclass::oid::bigint - 2147483648)::integer)
+`
+
+// Releases the lock LockRelayIdle took: the relay is busy again.
+func (q *Queries) UnlockRelayIdle(ctx context.Context, idleLockClass int32) error {
+	_, err := q.db.Exec(ctx, unlockRelayIdle, idleLockClass)
+	return err
 }
