@@ -100,7 +100,8 @@ func readKey(t *testing.T, pool *pgxpool.Pool, scope, value string) keyRow {
 	return k
 }
 
-// queryCounter counts statements sent on a pool's connections.
+// queryCounter counts the round trips made on a pool's connections: each
+// statement sent on its own, and each batch (its statements go out together).
 type queryCounter struct{ n atomic.Int64 }
 
 func (c *queryCounter) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
@@ -110,7 +111,16 @@ func (c *queryCounter) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.T
 
 func (c *queryCounter) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
 
-// countingRunner returns a runner on a pool that counts the statements it sends.
+func (c *queryCounter) TraceBatchStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceBatchStartData) context.Context {
+	c.n.Add(1)
+	return ctx
+}
+
+func (c *queryCounter) TraceBatchQuery(context.Context, *pgx.Conn, pgx.TraceBatchQueryData) {}
+
+func (c *queryCounter) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData) {}
+
+// countingRunner returns a runner on a pool that counts its round trips.
 func (e *env) countingRunner(t *testing.T, cfg *txn.Config) (*txn.Runner, *queryCounter) {
 	t.Helper()
 	qc := &queryCounter{}

@@ -20,7 +20,9 @@ type Func func(ctx context.Context, tx pgx.Tx) (Response, error)
 
 // Run runs fn for key. The key row, fn's writes and the stored response
 // commit together in one SERIALIZABLE transaction, so a single-phase Run
-// costs one commit, like the bare business transaction.
+// costs one commit, like the bare business transaction, and three round
+// trips besides fn's statements: a read of the key, BEGIN with the key
+// insert, the response with COMMIT.
 //
 // fn may run more than once: when the transaction fails with a
 // serialization failure or a deadlock, it is rolled back and fn runs again,
@@ -136,22 +138,34 @@ func (r *Runner) runSingle(ctx context.Context, req request, fn Func) (resp Resp
 		return Response{}, false, fmt.Errorf("acquire: %w", err)
 	}
 	defer conn.Release()
-	tx, err := conn.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.Serializable})
-	if err != nil {
-		return Response{}, false, fmt.Errorf("begin: %w", err)
-	}
-	committed := false
-	defer func() {
-		if !committed {
-			r.rollback(ctx, tx)
-		}
-	}()
-	q := r.q.WithTx(tx)
-	ins, err := q.InsertSingleKey(ctx, db.InsertSingleKeyParams{
+	// BEGIN goes out with the key insert, in one round trip.
+	params := db.InsertSingleKeyParams{
 		Scope: req.key.Scope, Key: req.key.Value, Fingerprint: req.fingerprint,
 		RequestMethod: req.key.Method, RequestPath: req.key.Path, RequestParams: req.params,
 		RejectExpired: r.cfg.ExpiredKeyPolicy == ExpiredKeyReject,
-	})
+	}
+	b := &pgx.Batch{}
+	b.BeginTx(pgx.TxOptions{IsoLevel: pgx.Serializable})
+	if _, err := db.New(batchQueue{b}).InsertSingleKey(ctx, params); err != nil {
+		return Response{}, false, err
+	}
+	br := conn.SendBatch(ctx, b)
+	tx := br.Tx()
+	committed := false
+	defer func() {
+		if !committed {
+			r.rollback(ctx, tx) // a no-op when the batch ended the transaction
+		}
+	}()
+	_, err = br.Exec()
+	if err != nil {
+		_ = br.Close()
+		return Response{}, false, fmt.Errorf("begin: %w", err)
+	}
+	ins, err := db.New(batchResults{br}).InsertSingleKey(ctx, params)
+	if cerr := br.Close(); err == nil && cerr != nil {
+		err = cerr
+	}
 	if errors.Is(err, pgx.ErrNoRows) {
 		return Response{}, false, errRaced // held by an uncommitted attempt, or committed since our lookup
 	}
@@ -254,3 +268,16 @@ func (q batchQueue) QueryRow(_ context.Context, sql string, args ...any) pgx.Row
 type queuedRow struct{}
 
 func (queuedRow) Scan(...any) error { return nil }
+
+// batchResults is a db.DBTX that reads the next result of a sent batch
+// instead of running a statement, so that generated queries scan the
+// results of the statements batchQueue queued, in the same order.
+type batchResults struct{ br pgx.BatchResults }
+
+func (b batchResults) Exec(context.Context, string, ...any) (pgconn.CommandTag, error) {
+	return b.br.Exec()
+}
+
+func (b batchResults) Query(context.Context, string, ...any) (pgx.Rows, error) { return b.br.Query() }
+
+func (b batchResults) QueryRow(context.Context, string, ...any) pgx.Row { return b.br.QueryRow() }

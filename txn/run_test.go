@@ -91,6 +91,95 @@ func TestFinishedKeyReplaysByteForByteInOneRoundTrip(t *testing.T) {
 	require.Equal(t, uint64(1), r2.Stats().Replayed)
 }
 
+// A single-phase Run of a new key costs one round trip more than the
+// hand-written keyed transaction (the read of the key before it, which
+// answers a retry in one): the read, BEGIN with the key insert, the
+// function's statement, the response with COMMIT.
+func TestRunRoundTrips(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	r, qc := e.countingRunner(t, nil)
+	var calls atomic.Int64
+	roundTrips := func(run func()) int64 {
+		before := qc.n.Load()
+		run()
+		return qc.n.Load() - before
+	}
+
+	require.Equal(t, int64(4), roundTrips(func() {
+		resp, err := r.Run(ctx, chargeKey("k1", 500), insertCharge(&calls, "c1", 500))
+		require.NoError(t, err)
+		require.False(t, resp.Replayed)
+	}), "first attempt: the read, BEGIN with the key insert, the function's insert, the response with COMMIT")
+	require.Equal(t, int64(1), roundTrips(func() {
+		resp, err := r.Run(ctx, chargeKey("k1", 500), insertCharge(&calls, "c1", 500))
+		require.NoError(t, err)
+		require.True(t, resp.Replayed)
+	}), "replay")
+	require.Equal(t, int64(1), roundTrips(func() {
+		_, err := r.Run(ctx, chargeKey("k1", 999), insertCharge(&calls, "c1", 999))
+		require.ErrorIs(t, err, txn.ErrKeyReused)
+	}), "another request under the key")
+	require.Equal(t, int64(1), calls.Load())
+}
+
+// Run makes its transaction SERIALIZABLE without leaving the setting on
+// the pooled connection (PgBouncer in transaction mode hands it to anyone).
+func TestRunLeavesNoIsolationLevelOnTheConnection(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	pool := e.NewPool(t, func(c *pgxpool.Config) { c.MaxConns = 1 })
+	r, err := txn.New(pool, nil)
+	require.NoError(t, err)
+	var inside string
+	_, err = r.Run(ctx, chargeKey("k1", 1), func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+		return txn.Response{Status: 201}, tx.QueryRow(ctx, `SHOW transaction_isolation`).Scan(&inside)
+	})
+	require.NoError(t, err)
+	require.Equal(t, "serializable", inside)
+	_, err = r.Run(ctx, chargeKey("k1", 1), func(context.Context, pgx.Tx) (txn.Response, error) {
+		return txn.Response{}, errors.New("a replay runs nothing")
+	})
+	require.NoError(t, err)
+
+	// The same (only) connection: outside a transaction, and in the next one.
+	var after, next string
+	require.NoError(t, pool.QueryRow(ctx, `SHOW transaction_isolation`).Scan(&after))
+	require.NoError(t, pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		return tx.QueryRow(ctx, `SHOW transaction_isolation`).Scan(&next)
+	}))
+	require.Equal(t, "read committed", after)
+	require.Equal(t, "read committed", next)
+}
+
+// A key stored again after its tombstone was left (under
+// ExpiredKeyNewOperation) is answered from its row by a runner that rejects
+// expired keys: the stored operation wins over the tombstone.
+func TestStoredKeyWinsOverItsTombstone(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	var calls atomic.Int64
+	first, err := e.runner.Run(ctx, chargeKey("k1", 5), insertCharge(&calls, "c1", 5))
+	require.NoError(t, err)
+	_, err = e.Pool.Exec(ctx, `
+		INSERT INTO idempotency_key_tombstones (scope, key_hash, fingerprint, finished_at, response_status, expires_at)
+		SELECT scope, sha256(convert_to(key, 'UTF8')), fingerprint, finished_at, response_status, now() + interval '1 day'
+		FROM idempotency_keys`)
+	require.NoError(t, err)
+
+	resp, err := e.runner.Run(ctx, chargeKey("k1", 5), insertCharge(&calls, "c1", 5))
+	require.NoError(t, err)
+	require.True(t, resp.Replayed)
+	require.Equal(t, first.Body, resp.Body)
+	_, err = e.runner.Run(ctx, chargeKey("k1", 6), insertCharge(&calls, "c1", 6))
+	require.ErrorIs(t, err, txn.ErrKeyReused)
+	require.Equal(t, int64(1), calls.Load())
+	require.Zero(t, e.runner.Stats().ExpiredRejected)
+}
+
 func TestSameKeyWithAnotherRequestIsKeyReused(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, nil)
