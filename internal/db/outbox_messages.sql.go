@@ -202,23 +202,6 @@ func (q *Queries) EnqueueMessages(ctx context.Context, arg EnqueueMessagesParams
 	return err
 }
 
-const lockRelayIdle = `-- name: LockRelayIdle :exec
-SELECT pg_advisory_lock($1::integer,
-    ('outbox_messages'::regclass::oid::bigint - 2147483648)::integer)
-`
-
-// Takes, on a relay's own connection, the session-scoped advisory lock that
-// announces a relay idle and listening: while it is held or awaited, every
-// EnqueueMessages notifies. Taking it waits for the producers that skipped
-// their notification (they hold the lock shared until they end), so a batch
-// run after it returns sees their rows. The wait is bounded by the session's
-// lock_timeout. The lock is named after the outbox_messages table's oid, so
-// installations in other schemas of one database do not share it.
-func (q *Queries) LockRelayIdle(ctx context.Context, idleLockClass int32) error {
-	_, err := q.db.Exec(ctx, lockRelayIdle, idleLockClass)
-	return err
-}
-
 const markPublished = `-- name: MarkPublished :exec
 UPDATE outbox_messages
 SET published_at = statement_timestamp(), attempts = attempts + 1
@@ -254,8 +237,9 @@ const notifyRelays = `-- name: NotifyRelays :exec
 SELECT pg_notify($1::text, coalesce(current_schema(), ''))
 `
 
-// Wakes the relays listening for this schema's messages, at commit, as
-// EnqueueMessages does.
+// Wakes the relays listening for this schema's messages, at commit, whether
+// or not one is idle (EnqueueMessages notifies only while one is): a redrive
+// is rare, and a busy relay ignores the wake-up until its next batch.
 func (q *Queries) NotifyRelays(ctx context.Context, channel string) error {
 	_, err := q.db.Exec(ctx, notifyRelays, channel)
 	return err
@@ -449,36 +433,4 @@ func (q *Queries) RedriveMessages(ctx context.Context, arg RedriveMessagesParams
 		return nil, err
 	}
 	return items, nil
-}
-
-const relayIdleHeldElsewhere = `-- name: RelayIdleHeldElsewhere :one
-SELECT EXISTS (
-    SELECT FROM pg_catalog.pg_locks
-    WHERE locktype = 'advisory' AND granted AND mode = 'ExclusiveLock'
-      AND database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())
-      AND classid = ($1::integer)::oid
-      AND objid = (('outbox_messages'::regclass::oid::bigint - 2147483648)::integer)::oid
-      AND objsubid = 2 AND pid <> pg_backend_pid()
-) AS held
-`
-
-// Reports whether another session holds the idle lock (another relay is idle
-// and listening, so producers notify), as opposed to producers holding it
-// shared.
-func (q *Queries) RelayIdleHeldElsewhere(ctx context.Context, idleLockClass int32) (bool, error) {
-	row := q.db.QueryRow(ctx, relayIdleHeldElsewhere, idleLockClass)
-	var held bool
-	err := row.Scan(&held)
-	return held, err
-}
-
-const unlockRelayIdle = `-- name: UnlockRelayIdle :exec
-SELECT pg_advisory_unlock($1::integer,
-    ('outbox_messages'::regclass::oid::bigint - 2147483648)::integer)
-`
-
-// Releases the lock LockRelayIdle took: the relay is busy again.
-func (q *Queries) UnlockRelayIdle(ctx context.Context, idleLockClass int32) error {
-	_, err := q.db.Exec(ctx, unlockRelayIdle, idleLockClass)
-	return err
 }
