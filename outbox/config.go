@@ -83,9 +83,11 @@ type Config struct {
 	RetryMaxDelay time.Duration
 
 	// DisableNotify turns off LISTEN/NOTIFY wake-ups: the relay only polls,
-	// every PollInterval. Use it where connections cannot LISTEN, as behind a
-	// transaction-pooling PgBouncer. Default: false (listen on a dedicated
-	// connection taken from the pool, and poll as a fallback).
+	// every PollInterval (and wakes on Wake). Use it where connections
+	// cannot LISTEN or hold a session lock, as behind a transaction-pooling
+	// PgBouncer. Default: false (listen on a dedicated connection taken from
+	// the pool, hold the idle lock on a second one while idle, so that
+	// producers notify only then, and poll as a fallback).
 	DisableNotify bool
 }
 
