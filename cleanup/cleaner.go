@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -98,16 +99,24 @@ func (c *Cleaner) RunOnce(ctx context.Context) (Report, error) {
 }
 
 func (c *Cleaner) runOnce(ctx context.Context) (rep Report, err error) {
+	// keysAfter is where the round's next batch of keys starts: the latest
+	// finished_at the previous one deleted (see DeleteExpiredKeys).
+	var keysAfter time.Time
 	steps := []struct {
 		op      string
 		deleted *int64
 		del     func(context.Context, *db.Queries) (int64, error)
 	}{
 		{"delete expired keys", &rep.KeysDeleted, func(ctx context.Context, q *db.Queries) (int64, error) {
-			return q.DeleteExpiredKeys(ctx, db.DeleteExpiredKeysParams{
-				TtlSeconds: c.cfg.TTL.Seconds(), BatchSize: int32(c.cfg.BatchSize),
+			row, err := q.DeleteExpiredKeys(ctx, db.DeleteExpiredKeysParams{
+				After: keysAfter, TtlSeconds: c.cfg.TTL.Seconds(), BatchSize: int32(c.cfg.BatchSize),
 				TombstoneSeconds: c.cfg.TombstoneRetention.Seconds(),
 			})
+			if err != nil {
+				return 0, err
+			}
+			keysAfter = row.NextAfter
+			return row.Deleted, nil
 		}},
 		{"delete expired tombstones", &rep.TombstonesDeleted, func(ctx context.Context, q *db.Queries) (int64, error) {
 			return q.DeleteExpiredTombstones(ctx, int32(c.cfg.BatchSize))

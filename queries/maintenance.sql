@@ -112,19 +112,38 @@ SELECT pg_try_advisory_xact_lock(@lock_class::integer,
 -- deleted, whatever its age. Unless tombstone_seconds is 0, each deleted
 -- key leaves a tombstone kept tombstone_seconds, in the same statement: no
 -- key is ever deleted without one.
+--
+-- The batch is read without row locks and deleted by ctid (a TID scan, one
+-- heap visit per row, where joining on id probed the primary key for each
+-- and FOR UPDATE wrote a lock record per row before the delete's own).
+-- That is safe because nothing else locks or updates a terminal key: the
+-- runner and the resumer change only running keys, and only one cleaner
+-- deletes at a time (the cleanup lock). A row some other session does lock
+-- (an operator's SELECT ... FOR UPDATE) is waited for, not skipped; a row
+-- changed meanwhile is deleted only if its new version still qualifies (the
+-- conditions are repeated in the DELETE), or left to the next round.
+--
+-- after is where the previous batch of the round stopped (the latest
+-- finished_at it deleted; the zero time for a round's first batch): the scan
+-- starts there instead of walking again over the index entries of every key
+-- deleted earlier in the round, which stay in the index until vacuum.
+-- Nothing eligible is left behind below it: finished_at is written once,
+-- when a key finishes, a TTL (at least a day) before it is eligible. The
+-- statement returns where the next batch starts: this batch's latest
+-- finished_at, or after when it deleted nothing.
 WITH batch AS MATERIALIZED (
-    SELECT id
+    SELECT ctid
     FROM idempotency_keys
     WHERE status <> 'running'
       AND finished_at <= now() - make_interval(secs => @ttl_seconds::float8)
+      AND finished_at >= @after::timestamptz
     ORDER BY finished_at
     LIMIT @batch_size::integer
-    FOR UPDATE SKIP LOCKED
 ), deleted AS (
     DELETE FROM idempotency_keys AS k
-    USING batch AS b
-    WHERE k.id = b.id
+    WHERE k.ctid = ANY (ARRAY(SELECT b.ctid FROM batch AS b))
       AND k.status <> 'running'
+      AND k.finished_at <= now() - make_interval(secs => @ttl_seconds::float8)
     RETURNING k.id, k.scope, k.key, k.fingerprint, k.finished_at, k.response_status
 ), unlinked AS (
     UPDATE outbox_messages AS m
@@ -144,7 +163,7 @@ WITH batch AS MATERIALIZED (
         response_status = excluded.response_status, expires_at = excluded.expires_at
     RETURNING 1
 )
-SELECT count(*)::bigint AS deleted FROM deleted;
+SELECT count(*)::bigint AS deleted, coalesce(max(finished_at), @after::timestamptz)::timestamptz AS next_after FROM deleted;
 
 -- name: DeleteExpiredTombstones :execrows
 -- Deletes up to batch_size tombstones past their expiry, oldest first: the

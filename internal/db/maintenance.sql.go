@@ -7,6 +7,7 @@ package db
 
 import (
 	"context"
+	"time"
 )
 
 const claimStalledKeys = `-- name: ClaimStalledKeys :many
@@ -172,18 +173,18 @@ func (q *Queries) CountStalledKeys(ctx context.Context, arg CountStalledKeysPara
 
 const deleteExpiredKeys = `-- name: DeleteExpiredKeys :one
 WITH batch AS MATERIALIZED (
-    SELECT id
+    SELECT ctid
     FROM idempotency_keys
     WHERE status <> 'running'
-      AND finished_at <= now() - make_interval(secs => $1::float8)
+      AND finished_at <= now() - make_interval(secs => $2::float8)
+      AND finished_at >= $1::timestamptz
     ORDER BY finished_at
-    LIMIT $2::integer
-    FOR UPDATE SKIP LOCKED
+    LIMIT $3::integer
 ), deleted AS (
     DELETE FROM idempotency_keys AS k
-    USING batch AS b
-    WHERE k.id = b.id
+    WHERE k.ctid = ANY (ARRAY(SELECT b.ctid FROM batch AS b))
       AND k.status <> 'running'
+      AND k.finished_at <= now() - make_interval(secs => $2::float8)
     RETURNING k.id, k.scope, k.key, k.fingerprint, k.finished_at, k.response_status
 ), unlinked AS (
     UPDATE outbox_messages AS m
@@ -195,21 +196,27 @@ WITH batch AS MATERIALIZED (
     INSERT INTO idempotency_key_tombstones AS t
         (scope, key_hash, fingerprint, finished_at, response_status, expires_at)
     SELECT d.scope, sha256(convert_to(d.key, 'UTF8')), d.fingerprint, d.finished_at, d.response_status,
-           now() + make_interval(secs => $3::float8)
+           now() + make_interval(secs => $4::float8)
     FROM deleted AS d
-    WHERE $3::float8 > 0
+    WHERE $4::float8 > 0
     ON CONFLICT (scope, key_hash) DO UPDATE
     SET fingerprint = excluded.fingerprint, finished_at = excluded.finished_at,
         response_status = excluded.response_status, expires_at = excluded.expires_at
     RETURNING 1
 )
-SELECT count(*)::bigint AS deleted FROM deleted
+SELECT count(*)::bigint AS deleted, coalesce(max(finished_at), $1::timestamptz)::timestamptz AS next_after FROM deleted
 `
 
 type DeleteExpiredKeysParams struct {
+	After            time.Time
 	TtlSeconds       float64
 	BatchSize        int32
 	TombstoneSeconds float64
+}
+
+type DeleteExpiredKeysRow struct {
+	Deleted   int64
+	NextAfter time.Time
 }
 
 // Deletes up to batch_size terminal keys finished more than ttl ago, oldest
@@ -219,11 +226,35 @@ type DeleteExpiredKeysParams struct {
 // deleted, whatever its age. Unless tombstone_seconds is 0, each deleted
 // key leaves a tombstone kept tombstone_seconds, in the same statement: no
 // key is ever deleted without one.
-func (q *Queries) DeleteExpiredKeys(ctx context.Context, arg DeleteExpiredKeysParams) (int64, error) {
-	row := q.db.QueryRow(ctx, deleteExpiredKeys, arg.TtlSeconds, arg.BatchSize, arg.TombstoneSeconds)
-	var deleted int64
-	err := row.Scan(&deleted)
-	return deleted, err
+//
+// The batch is read without row locks and deleted by ctid (a TID scan, one
+// heap visit per row, where joining on id probed the primary key for each
+// and FOR UPDATE wrote a lock record per row before the delete's own).
+// That is safe because nothing else locks or updates a terminal key: the
+// runner and the resumer change only running keys, and only one cleaner
+// deletes at a time (the cleanup lock). A row some other session does lock
+// (an operator's SELECT ... FOR UPDATE) is waited for, not skipped; a row
+// changed meanwhile is deleted only if its new version still qualifies (the
+// conditions are repeated in the DELETE), or left to the next round.
+//
+// after is where the previous batch of the round stopped (the latest
+// finished_at it deleted; the zero time for a round's first batch): the scan
+// starts there instead of walking again over the index entries of every key
+// deleted earlier in the round, which stay in the index until vacuum.
+// Nothing eligible is left behind below it: finished_at is written once,
+// when a key finishes, a TTL (at least a day) before it is eligible. The
+// statement returns where the next batch starts: this batch's latest
+// finished_at, or after when it deleted nothing.
+func (q *Queries) DeleteExpiredKeys(ctx context.Context, arg DeleteExpiredKeysParams) (DeleteExpiredKeysRow, error) {
+	row := q.db.QueryRow(ctx, deleteExpiredKeys,
+		arg.After,
+		arg.TtlSeconds,
+		arg.BatchSize,
+		arg.TombstoneSeconds,
+	)
+	var i DeleteExpiredKeysRow
+	err := row.Scan(&i.Deleted, &i.NextAfter)
+	return i, err
 }
 
 const deleteExpiredOutboxMessages = `-- name: DeleteExpiredOutboxMessages :execrows
