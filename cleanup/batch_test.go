@@ -167,3 +167,52 @@ func TestARoundDeletesKeysSharingAFinishTimeAcrossBatches(t *testing.T) {
 	require.Equal(t, 500, d.Count(t, `SELECT count(*) FROM idempotency_key_tombstones`))
 	require.LessOrEqual(t, d.Count(t, `SELECT max(n)::int FROM delete_audit WHERE tbl = 'idempotency_keys'`), 100)
 }
+
+// BatchPause spaces a round's delete transactions, and a round stopped
+// during a pause stops at once, with exactly the batches before it deleted.
+func TestBatchPauseSpacesBatchesAndAStopDuringAPauseIsPrompt(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	d := pgtest.New(t)
+	const n, batch, pause = 50, 10, 80 * time.Millisecond
+	insertKeys(t, d, "k", n, "now() - interval '2 days' - i * interval '1 second'")
+	exec(t, d, `CREATE TABLE delete_times (at timestamptz NOT NULL)`)
+	exec(t, d, `CREATE FUNCTION note_delete() RETURNS trigger LANGUAGE plpgsql AS $$
+		BEGIN INSERT INTO delete_times VALUES (clock_timestamp()); RETURN NULL; END $$`)
+	exec(t, d, `CREATE TRIGGER note_delete AFTER DELETE ON idempotency_keys FOR EACH STATEMENT EXECUTE FUNCTION note_delete()`)
+
+	began := time.Now()
+	rep, err := newCleaner(t, d, cleanup.Config{BatchSize: batch, BatchPause: pause}).RunOnce(ctx)
+	elapsed := time.Since(began)
+	require.NoError(t, err)
+	require.Equal(t, int64(n), rep.KeysDeleted)
+	require.Equal(t, n/batch, rep.Batches)
+	require.GreaterOrEqual(t, elapsed, time.Duration(rep.Batches-1)*pause)
+	// Every delete statement (the full batches and the short one that ends
+	// the loop) came at least a pause after the previous one.
+	require.Equal(t, n/batch+1, d.Count(t, `SELECT count(*) FROM delete_times`))
+	require.Zero(t, d.Count(t, `SELECT count(*) FROM (
+		SELECT at - lag(at) OVER (ORDER BY at) AS gap FROM delete_times) AS g
+		WHERE gap < $1::interval`, pause.String()), "two batches less than a pause apart")
+
+	// Stopped during a long pause: the round returns at once.
+	insertKeys(t, d, "again", n, "now() - interval '2 days'")
+	stopCtx, cancel := context.WithCancel(ctx)
+	c := newCleaner(t, d, cleanup.Config{BatchSize: batch, BatchPause: cleanup.BatchPauseMax})
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		rep, err = c.RunOnce(stopCtx)
+	}()
+	require.Eventually(t, func() bool { return d.Count(t, `SELECT count(*) FROM idempotency_keys`) == n-batch },
+		10*time.Second, 5*time.Millisecond, "the first batch")
+	time.Sleep(50 * time.Millisecond) // into the pause
+	cancel()
+	stopped := time.Now()
+	<-done
+	require.ErrorIs(t, err, context.Canceled)
+	require.Less(t, time.Since(stopped), 5*time.Second, "the round waited out its pause")
+	require.Equal(t, cleanup.Report{KeysDeleted: batch, Batches: 1}, rep, "one batch, then the pause")
+	require.Equal(t, n-batch, d.Count(t, `SELECT count(*) FROM idempotency_keys`))
+	require.Equal(t, n+batch, d.Count(t, `SELECT count(*) FROM idempotency_key_tombstones`))
+}

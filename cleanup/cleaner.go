@@ -73,14 +73,16 @@ func New(pool *pgxpool.Pool, cfg *Config) (*Cleaner, error) {
 
 // RunOnce runs one round: it deletes expired keys, then expired outbox
 // messages, then inbox rows past their keep_until (see package inbox), a
-// batch per transaction, until a batch comes back short. Each
+// batch per transaction, until a batch comes back short, waiting
+// Config.BatchPause before each batch after the first. Each
 // batch's transaction first takes the cleanup lock (a transaction-scoped
 // advisory lock, so nothing outlives the transaction on a pooled
 // connection); when another cleaner holds it, the round stops there, logs a
 // warning, and returns a report with Skipped set: the other cleaner is
 // deleting the same rows. If ctx ends, the round stops after the batch in
-// flight (which gets up to 5 seconds to commit, else is rolled back), and
-// the error wraps ctx's error; the report counts exactly the rows deleted.
+// flight (which gets up to 5 seconds to commit, else is rolled back), or at
+// once during a pause, and the error wraps ctx's error; the report counts
+// exactly the rows deleted.
 func (c *Cleaner) RunOnce(ctx context.Context) (Report, error) {
 	ctx, span := c.tracer.Start(ctx, telemetry.SpanCleanup, trace.SpanKindInternal)
 	rep, err := c.runOnce(ctx)
@@ -130,11 +132,18 @@ func (c *Cleaner) runOnce(ctx context.Context) (rep Report, err error) {
 			return q.DeleteExpiredInboxMessages(ctx, int32(c.cfg.BatchSize))
 		}},
 	}
+	first := true
 	for _, step := range steps {
 		for {
 			if err := ctx.Err(); err != nil {
 				return rep, service.Wrap(ctx, "cleanup", step.op, err)
 			}
+			if !first && c.cfg.BatchPause > 0 {
+				if err := pause(ctx, c.cfg.BatchPause); err != nil {
+					return rep, service.Wrap(ctx, "cleanup", step.op, err)
+				}
+			}
+			first = false
 			n, locked, err := c.batch(ctx, step.del)
 			if err != nil {
 				return rep, service.Wrap(ctx, "cleanup", step.op, err)
@@ -156,6 +165,18 @@ func (c *Cleaner) runOnce(ctx context.Context) (rep Report, err error) {
 		}
 	}
 	return rep, nil
+}
+
+// pause waits d, or until ctx ends, when it returns ctx's error.
+func pause(ctx context.Context, d time.Duration) error {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
 }
 
 // batch runs del in a transaction of its own that first takes the cleanup

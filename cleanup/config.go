@@ -32,6 +32,13 @@ const (
 // BatchSizeMax bounds Config.BatchSize.
 const BatchSizeMax = 100000
 
+// BatchPauseDefault is Config.BatchPause's default: none, each batch follows
+// the previous one at once.
+const BatchPauseDefault time.Duration = 0
+
+// BatchPauseMax bounds Config.BatchPause.
+const BatchPauseMax = time.Minute
+
 // Config configures a Cleaner. The zero value is usable; every field states
 // its default.
 type Config struct {
@@ -72,6 +79,13 @@ type Config struct {
 	// Interval is the time between the starts of two rounds run by Start.
 	// Default: IntervalDefault (5 minutes).
 	Interval time.Duration
+
+	// BatchPause is how long a round waits before each delete transaction
+	// after its first, so that a large backlog is deleted at a bounded pace
+	// rather than back to back on one server connection; a round stopped
+	// during a pause stops at once. At most BatchPauseMax (1 minute).
+	// Default: BatchPauseDefault (no pause).
+	BatchPause time.Duration
 }
 
 // withDefaults returns c with each zero field set to its default.
@@ -82,6 +96,7 @@ func (c Config) withDefaults() Config {
 	c.TombstoneRetention = cmp.Or(c.TombstoneRetention, TombstoneRetentionDefault)
 	c.BatchSize = cmp.Or(c.BatchSize, BatchSizeDefault)
 	c.Interval = cmp.Or(c.Interval, IntervalDefault)
+	c.BatchPause = cmp.Or(c.BatchPause, BatchPauseDefault)
 	return c
 }
 
@@ -89,12 +104,14 @@ func (c Config) withDefaults() Config {
 // ErrInvalidConfig. It checks c after withDefaults.
 func (c Config) validate() error {
 	switch {
-	case c.TTL < 0 || c.OutboxRetention < 0 || c.TombstoneRetention < 0 || c.BatchSize < 0 || c.Interval < 0:
+	case c.TTL < 0 || c.OutboxRetention < 0 || c.TombstoneRetention < 0 || c.BatchSize < 0 || c.Interval < 0 || c.BatchPause < 0:
 		return fmt.Errorf("%w: negative durations and counts are not allowed", ErrInvalidConfig)
 	case c.TTL < MinTTL || c.TTL > MaxTTL:
 		return fmt.Errorf("%w: TTL %v is outside the expiry window of %v to %v", ErrInvalidConfig, c.TTL, MinTTL, MaxTTL)
 	case c.BatchSize > BatchSizeMax:
 		return fmt.Errorf("%w: BatchSize %d is larger than %d", ErrInvalidConfig, c.BatchSize, BatchSizeMax)
+	case c.BatchPause > BatchPauseMax:
+		return fmt.Errorf("%w: BatchPause %v is longer than %v", ErrInvalidConfig, c.BatchPause, BatchPauseMax)
 	}
 	return nil
 }

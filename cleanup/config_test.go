@@ -18,13 +18,15 @@ func TestNewValidatesExpiryWindow(t *testing.T) {
 	require.ErrorIs(t, err, cleanup.ErrInvalidConfig)
 	requireOnePrefix(t, err)
 	for name, cfg := range map[string]cleanup.Config{
-		"ttl under a day":    {TTL: 23 * time.Hour},
-		"ttl over a week":    {TTL: 7*24*time.Hour + time.Second},
-		"negative ttl":       {TTL: -time.Hour},
-		"negative retention": {OutboxRetention: -time.Hour},
-		"negative batch":     {BatchSize: -1},
-		"huge batch":         {BatchSize: 100_001},
-		"negative interval":  {Interval: -time.Second},
+		"ttl under a day":     {TTL: 23 * time.Hour},
+		"ttl over a week":     {TTL: 7*24*time.Hour + time.Second},
+		"negative ttl":        {TTL: -time.Hour},
+		"negative retention":  {OutboxRetention: -time.Hour},
+		"negative batch":      {BatchSize: -1},
+		"huge batch":          {BatchSize: 100_001},
+		"negative interval":   {Interval: -time.Second},
+		"negative pause":      {BatchPause: -time.Millisecond},
+		"pause over a minute": {BatchPause: time.Minute + time.Millisecond},
 	} {
 		_, err := cleanup.New(pool, &cfg)
 		require.ErrorIs(t, err, cleanup.ErrInvalidConfig, name)
@@ -49,6 +51,12 @@ func TestZeroConfigGetsTheDocumentedDefaults(t *testing.T) {
 	require.Equal(t, cleanup.Config{
 		Logger: slog.Default(), TTL: cleanup.TTLDefault, OutboxRetention: cleanup.OutboxRetentionDefault,
 		TombstoneRetention: cleanup.TombstoneRetentionDefault, BatchSize: cleanup.BatchSizeDefault, Interval: cleanup.IntervalDefault,
+		BatchPause: cleanup.BatchPauseDefault,
 	}, cleanup.ConfigOf(c))
 	require.Equal(t, cleanup.MinTTL, cleanup.TTLDefault)
+	for _, pause := range []time.Duration{time.Millisecond, cleanup.BatchPauseMax} {
+		c, err := cleanup.New(pgtest.Pool(t), &cleanup.Config{BatchPause: pause})
+		require.NoError(t, err)
+		require.Equal(t, pause, cleanup.ConfigOf(c).BatchPause)
+	}
 }

@@ -62,6 +62,7 @@ func run() error {
 	cleanupRows := flag.Int("cleanup-rows", 0, "expired keys the cleanup scenario deletes (default: 300000 short, 1000000 long)")
 	cleanupLoadRows := flag.Int("cleanup-load-rows", 0, "expired keys present while Run's p99 is compared with and without the cleaner (default: 300000)")
 	cleanupBatch := flag.Int("cleanup-batch", 0, "cleanup.Config.BatchSize (0: the library default)")
+	cleanupPause := flag.Duration("cleanup-pause", 0, "cleanup.Config.BatchPause (0: the library default)")
 	drain := flag.Int("drain", 20_000, "messages the relay-capacity rows of the outbox scenario drain")
 	wmPoll := flag.Duration("watermill-poll", 10*time.Millisecond, "Watermill SQL subscriber poll interval")
 	experiments := flag.Bool("experiments", false, "add rows measuring proposed library changes (they bypass parts of the library)")
@@ -134,7 +135,7 @@ func run() error {
 
 	suite := &scenarios.Suite{
 		Env: env, Timing: timing, Concurrency: cs,
-		CleanupRows: *cleanupRows, CleanupBatch: *cleanupBatch, CleanupLoadRows: *cleanupLoadRows, DrainMessages: *drain,
+		CleanupRows: *cleanupRows, CleanupBatch: *cleanupBatch, CleanupPause: *cleanupPause, CleanupLoadRows: *cleanupLoadRows, DrainMessages: *drain,
 		WatermillPoll: *wmPoll, Log: os.Stderr, Experiments: *experiments,
 	}
 	if *statements != "" {

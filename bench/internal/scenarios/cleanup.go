@@ -54,7 +54,7 @@ func (s *Suite) RunCleanup(ctx context.Context) error {
 		return err
 	}
 	defer cl.pool.Close()
-	cleanerCfg := &cleanup.Config{Logger: harness.Discard, BatchSize: s.CleanupBatch}
+	cleanerCfg := &cleanup.Config{Logger: harness.Discard, BatchSize: s.CleanupBatch, BatchPause: s.CleanupPause}
 	batch := s.CleanupBatch
 	if batch == 0 {
 		batch = 1000
@@ -79,7 +79,11 @@ func (s *Suite) RunCleanup(ctx context.Context) error {
 	}
 	rate := float64(rep.KeysDeleted) / alone.Seconds()
 	s.Progress("cleanup alone: %d keys in %v (%.0f rows/s, %d batches)", rep.KeysDeleted, alone.Round(time.Millisecond), rate, rep.Batches)
-	t.Rows = append(t.Rows, Row{System: fmt.Sprintf("cleaner alone, rows/s (batch %d, %d batches, %.1f s)", batch, rep.Batches, alone.Seconds()),
+	pace := ""
+	if s.CleanupPause > 0 {
+		pace = fmt.Sprintf(", pause %v", s.CleanupPause)
+	}
+	t.Rows = append(t.Rows, Row{System: fmt.Sprintf("cleaner alone, rows/s (batch %d%s, %d batches, %.1f s)", batch, pace, rep.Batches, alone.Seconds()),
 		Throughput: rate, Ratio: math.NaN()})
 
 	// (b) Run's latency with the expired keys present, no cleaner.
@@ -150,7 +154,7 @@ func (s *Suite) RunCleanup(ctx context.Context) error {
 		Goal{Text: "cleanup ≥ 100k rows/s", Met: rate >= 100_000, Got: fmt.Sprintf("%.0f rows/s", rate)},
 		Goal{Text: "Run p99 during cleanup ≤ 1.5× without", Met: q <= 1.5, Got: fmt.Sprintf("%.2f×", q)})
 	t.Notes = append(t.Notes,
-		fmt.Sprintf("Expired keys: %d finished keys inserted with generate_series, finished two days ago (TTL 24 h), then ANALYZE and CHECKPOINT; cleanup.Cleaner.RunOnce with BatchSize %d (one DELETE statement per batch). The Run rows use a fresh table of %d expired keys.", n, batch, n2),
+		fmt.Sprintf("Expired keys: %d finished keys inserted with generate_series, finished two days ago (TTL 24 h), then ANALYZE and CHECKPOINT; cleanup.Cleaner.RunOnce with BatchSize %d and BatchPause %v (one DELETE statement per batch). The Run rows use a fresh table of %d expired keys.", n, batch, cleanerCfg.BatchPause, n2),
 		"The 'during cleanup' window starts with the cleaner and ends when it finishes, or after two cell durations (at least 10 s), when the cleaner is stopped; every measured Run overlapped it.")
 	s.Tables = append(s.Tables, t)
 	return nil

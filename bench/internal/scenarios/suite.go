@@ -24,6 +24,8 @@ type Suite struct {
 	Concurrency  []int
 	CleanupRows  int
 	CleanupBatch int
+	// CleanupPause is cleanup.Config.BatchPause (0: the library default).
+	CleanupPause time.Duration
 	// CleanupLoadRows is how many expired keys the table holds while Run's
 	// latency is measured with and without the cleaner (0: CleanupRows).
 	CleanupLoadRows int
