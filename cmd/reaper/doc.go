@@ -15,11 +15,12 @@
 // txn.Config.MaxAge of the runner the reaper works through; give it the
 // services' value), -unknown-workflow-delay ($REAPER_UNKNOWN_WORKFLOW_DELAY),
 // -batch-size ($REAPER_BATCH_SIZE, for recovery and cleanup alike),
+// -cleanup-pause ($REAPER_CLEANUP_PAUSE, cleanup.Config.BatchPause),
 // -log-level ($REAPER_LOG_LEVEL) and -http ($REAPER_HTTP, off). Their
 // defaults are the packages' own (cleanup.TTLDefault, cleanup.OutboxRetentionDefault,
 // cleanup.TombstoneRetentionDefault, recovery.ResumeDelayDefault, recovery.MaxAttemptsDefault,
 // txn.MaxAgeDefault, recovery.UnknownWorkflowDelayDefault,
-// cleanup.BatchSizeDefault); reaper -help prints them.
+// cleanup.BatchSizeDefault, cleanup.BatchPauseDefault); reaper -help prints them.
 //
 // Logs are JSON lines on standard error, one summary line per round
 // (msg "reaper round", or "reaper dry run"), which ends with the outbox

@@ -50,6 +50,7 @@ type options struct {
 	unknownWorkflowDelay time.Duration
 	maxAttempts          int
 	batchSize            int
+	cleanupPause         time.Duration
 	once                 bool
 	interval             time.Duration
 	dryRun               bool
@@ -106,6 +107,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		OutboxRetention:    opts.outboxRetention,
 		TombstoneRetention: opts.tombstoneRetention,
 		BatchSize:          opts.batchSize,
+		BatchPause:         opts.cleanupPause,
 	})
 	if err != nil {
 		fmt.Fprintf(stderr, "reaper: %v: %v\nRun 'reaper -help' for usage.\n", errUsage, err)
@@ -310,6 +312,8 @@ func parseArgs(args []string, stdout io.Writer) (options, error) {
 		"fail stalled keys this binary cannot resume (every workflow) once they are this old")
 	e.intVar(&o.batchSize, "batch-size", "REAPER_BATCH_SIZE", cleanup.BatchSizeDefault,
 		fmt.Sprintf("most rows changed by one transaction (at most %d)", min(recovery.BatchSizeMax, cleanup.BatchSizeMax)))
+	e.durationVar(&o.cleanupPause, "cleanup-pause", "REAPER_CLEANUP_PAUSE", cleanup.BatchPauseDefault,
+		fmt.Sprintf("wait this long before each cleanup transaction after a round's first, to pace a large backlog (at most %v)", cleanup.BatchPauseMax))
 	e.levelVar(&o.logLevel, "log-level", "REAPER_LOG_LEVEL", slog.LevelInfo,
 		"log level: debug, info, warn or error")
 	e.stringVar(&o.httpAddr, "http", "REAPER_HTTP", "",

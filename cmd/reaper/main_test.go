@@ -19,6 +19,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
+	"github.com/atomicphase/atomicphase/cleanup"
 	"github.com/atomicphase/atomicphase/internal/connstr"
 	"github.com/atomicphase/atomicphase/internal/pgtest"
 )
@@ -38,6 +39,8 @@ func TestRunRejectsBadCommandLinesWithExitTwo(t *testing.T) {
 		"ttl over the window":       {db, "-once", "-ttl", "200h"},
 		"max age of a day":          {db, "-once", "-max-age", "24h"},
 		"bad log level":             {db, "-once", "-log-level", "loud"},
+		"negative cleanup pause":    {db, "-once", "-cleanup-pause", "-1s"},
+		"cleanup pause over max":    {db, "-once", "-cleanup-pause", "2m"},
 		"no database":               {"-database-url=", "-once"},
 		"stray argument":            {db, "-once", "now"},
 		"bad database url":          {"-database-url=postgres://x:y@[::1", "-once"},
@@ -55,7 +58,8 @@ func TestRunHelpPrintsUsageAndExitsZero(t *testing.T) {
 	var stdout, stderr bytes.Buffer
 	require.Equal(t, exitOK, run(context.Background(), []string{"-help"}, &stdout, &stderr))
 	for _, f := range []string{"-once", "-interval", "-dry-run", "-ttl", "-outbox-retention", "-tombstone-retention", "-resume-delay",
-		"-max-attempts", "-max-age", "-batch-size", "-database-url", "-log-level", "$DATABASE_URL", "$REAPER_TTL"} {
+		"-max-attempts", "-max-age", "-batch-size", "-cleanup-pause", "-database-url", "-log-level", "$DATABASE_URL", "$REAPER_TTL",
+		"$REAPER_CLEANUP_PAUSE"} {
 		require.Contains(t, stdout.String(), f)
 	}
 	require.Empty(t, stderr.String())
@@ -330,4 +334,28 @@ func TestReadmeFlagTableShowsTheDefaults(t *testing.T) {
 		documented[m[1]] = v
 	}
 	require.Equal(t, actual, documented)
+}
+
+// -cleanup-pause takes its default from $REAPER_CLEANUP_PAUSE, the flag
+// wins over it, and unset it is cleanup.BatchPauseDefault.
+func TestCleanupPauseComesFromTheFlagOrTheEnvironment(t *testing.T) {
+	args := []string{"-once", "-database-url", "postgres://x/y"}
+	t.Setenv("REAPER_CLEANUP_PAUSE", "")
+	o, err := parseArgs(args, io.Discard)
+	require.NoError(t, err)
+	require.Equal(t, cleanup.BatchPauseDefault, o.cleanupPause)
+
+	t.Setenv("REAPER_CLEANUP_PAUSE", "250ms")
+	o, err = parseArgs(args, io.Discard)
+	require.NoError(t, err)
+	require.Equal(t, 250*time.Millisecond, o.cleanupPause)
+
+	o, err = parseArgs(append(args, "-cleanup-pause", "40ms"), io.Discard)
+	require.NoError(t, err)
+	require.Equal(t, 40*time.Millisecond, o.cleanupPause)
+
+	t.Setenv("REAPER_CLEANUP_PAUSE", "soon")
+	_, err = parseArgs(args, io.Discard)
+	require.ErrorIs(t, err, errUsage)
+	require.ErrorContains(t, err, "REAPER_CLEANUP_PAUSE")
 }
