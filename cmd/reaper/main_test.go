@@ -306,7 +306,7 @@ func freshSchema(t *testing.T, server string) string {
 // recovery, cleanup and txn packages' constants).
 func TestReadmeFlagTableShowsTheDefaults(t *testing.T) {
 	for _, env := range []string{"REAPER_TTL", "REAPER_OUTBOX_RETENTION", "REAPER_TOMBSTONE_RETENTION", "REAPER_RESUME_DELAY", "REAPER_MAX_ATTEMPTS",
-		"REAPER_MAX_AGE", "REAPER_UNKNOWN_WORKFLOW_DELAY", "REAPER_BATCH_SIZE", "REAPER_LOG_LEVEL"} {
+		"REAPER_MAX_AGE", "REAPER_UNKNOWN_WORKFLOW_DELAY", "REAPER_BATCH_SIZE", "REAPER_CLEANUP_PAUSE", "REAPER_LOG_LEVEL"} {
 		t.Setenv(env, "") // unset: the built-in default
 	}
 	o, err := parseArgs([]string{"-once", "-database-url", "postgres://x/y"}, io.Discard)
@@ -320,6 +320,7 @@ func TestReadmeFlagTableShowsTheDefaults(t *testing.T) {
 		"-max-age":                o.maxAge.String(),
 		"-unknown-workflow-delay": o.unknownWorkflowDelay.String(),
 		"-batch-size":             fmt.Sprint(o.batchSize),
+		"-cleanup-pause":          o.cleanupPause.String(),
 		"-log-level":              strings.ToLower(o.logLevel.String()),
 	}
 	readme, err := os.ReadFile("../../README.md")
