@@ -26,6 +26,10 @@ func TestKeyFormatCheckIsTheOriginalRuleWithoutBoundedRepetition(t *testing.T) {
 	require.NoError(t, d.Pool.QueryRow(ctx, `SELECT pg_get_constraintdef(oid) FROM pg_constraint
 		WHERE conname = 'idempotency_keys_key_format' AND conrelid = 'idempotency_keys'::regclass`).Scan(&def))
 	require.NotContains(t, def, "{", "the key-format CHECK uses a bounded repetition: %s", def)
+	var validated bool
+	require.NoError(t, d.Pool.QueryRow(ctx, `SELECT convalidated FROM pg_constraint
+		WHERE conname = 'idempotency_keys_key_format' AND conrelid = 'idempotency_keys'::regclass`).Scan(&validated))
+	require.True(t, validated, "a new installation's key-format CHECK is validated")
 
 	candidates := []string{
 		"a", " ", "~", "k-1", strings.Repeat("x", 254), strings.Repeat("x", 255), strings.Repeat("x", 256),
