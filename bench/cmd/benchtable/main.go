@@ -12,6 +12,12 @@
 //	go run ./cmd/benchtable            # short: 5 s per cell after 1 s warm-up
 //	go run ./cmd/benchtable -long      # 30 s per cell after 5 s warm-up
 //	go run ./cmd/benchtable -scenarios 1,2 -c 8 -duration 20s
+//	go run ./cmd/benchtable -scale -out scale.md -chart scale.png
+//
+// The -scale mode measures how cost grows with the work instead of the
+// scenarios: Run, replay and Resume beside 100k, 1M and 10M finished keys
+// (-scale-keys), at c=1 and 8 unless -c says otherwise, and the relay's
+// drain of 1,000,000 pending messages (-scale-drain) against -drain's.
 package main
 
 import (
@@ -69,6 +75,11 @@ func run() error {
 	out := flag.String("out", "", "also write the Markdown report to this file")
 	statements := flag.String("statements", "", "write each cell's pg_stat_statements summary to this file (needs the extension preloaded; for the throwaway cluster add -pg shared_preload_libraries=pg_stat_statements)")
 	cpuProfile := flag.String("cpuprofile", "", "write a CPU profile of the whole run to this file")
+	scale := flag.Bool("scale", false, "scale mode: how cost grows with the work (key table size, outbox backlog) instead of the scenarios")
+	scaleKeys := flag.String("scale-keys", "100000,1000000,10000000", "scale mode: finished keys in the table, comma-separated, smallest first (ratios are to the first)")
+	scaleDrain := flag.Int("scale-drain", 1_000_000, "scale mode: pending outbox messages the relay drains (compared with -drain's); 0: none")
+	scaleExplain := flag.String("scale-explain", "", "scale mode: write EXPLAIN (ANALYZE, BUFFERS) of the key lookup and insert at each size to this file")
+	chart := flag.String("chart", "", "scale mode: also draw latency against table size as a PNG image to this file")
 	pgSettings := settingsFlag{}
 	flag.Var(pgSettings, "pg", "server setting name=value for the throwaway cluster (repeatable)")
 	flag.Parse()
@@ -93,6 +104,9 @@ func run() error {
 	}
 	if *cleanupLoadRows == 0 {
 		*cleanupLoadRows = 300_000
+	}
+	if *scale && !flagSet("c") {
+		*conc = "1,8"
 	}
 	var cs []int
 	for _, f := range strings.Split(*conc, ",") {
@@ -125,6 +139,20 @@ func run() error {
 
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
+	if *scale {
+		var sizes []int
+		for _, f := range strings.Split(*scaleKeys, ",") {
+			n, err := strconv.Atoi(strings.TrimSpace(f))
+			if err != nil || n < 1 || (len(sizes) > 0 && n <= sizes[len(sizes)-1]) {
+				return fmt.Errorf("-scale-keys: bad size %q (positive, increasing)", f)
+			}
+			sizes = append(sizes, n)
+		}
+		return runScale(ctx, scaleRun{
+			timing: timing, mode: mode, concurrency: cs, sizes: sizes, drain: *scaleDrain, smallDrain: *drain,
+			out: *out, chart: *chart, explain: *scaleExplain, pgSettings: pgSettings,
+		})
+	}
 
 	began := time.Now()
 	env, err := harness.Setup(ctx, enabled[4], pgSettings)
@@ -192,6 +220,75 @@ func run() error {
 	return nil
 }
 
+// flagSet reports whether the named flag was given on the command line.
+func flagSet(name string) bool {
+	set := false
+	flag.Visit(func(f *flag.Flag) { set = set || f.Name == name })
+	return set
+}
+
+type scaleRun struct {
+	timing      harness.Timing
+	mode        string
+	concurrency []int
+	sizes       []int
+	drain       int
+	smallDrain  int
+	out, chart  string
+	explain     string
+	pgSettings  map[string]string
+}
+
+// runScale runs the scale mode and writes its report (and chart).
+func runScale(ctx context.Context, r scaleRun) error {
+	env, err := harness.Setup(ctx, r.drain > 0, r.pgSettings)
+	if err != nil {
+		return err
+	}
+	defer env.Close()
+	suite := &scenarios.Suite{Env: env, Timing: r.timing, Concurrency: r.concurrency, DrainMessages: r.smallDrain, Log: os.Stderr}
+	if err := suite.Prepare(ctx); err != nil {
+		return err
+	}
+	loadBefore := loadAvg()
+	rep, err := suite.RunScale(ctx, r.sizes, r.drain)
+	if err != nil {
+		return err
+	}
+	var w io.Writer = os.Stdout
+	if r.out != "" {
+		file, err := os.Create(r.out)
+		if err != nil {
+			return err
+		}
+		defer file.Close()
+		w = io.MultiWriter(os.Stdout, file)
+	}
+	fmt.Fprintf(w, "## atomicphase: how cost grows with the work (%s mode)\n\n", r.mode)
+	fmt.Fprintf(w, "- Date: %s; total run time %s\n", rep.Began.UTC().Format("2006-01-02 15:04 MST"), rep.Took.Round(time.Second))
+	fmt.Fprintf(w, "- Machine: %d CPUs (GOMAXPROCS %d), %s/%s, %s; load average before the run: %s\n",
+		runtime.NumCPU(), runtime.GOMAXPROCS(0), runtime.GOOS, runtime.GOARCH, runtime.Version(), loadBefore)
+	fmt.Fprintf(w, "- Database: %s (%s)\n", env.ServerInfo(ctx), env.Source)
+	fmt.Fprintf(w, "- Command: `%s`\n\n", reproduce())
+	rep.Markdown(w)
+	if r.chart != "" {
+		if err := rep.Chart(r.chart); err != nil {
+			return fmt.Errorf("chart: %w", err)
+		}
+		fmt.Fprintf(os.Stderr, "benchtable: chart written to %s\n", r.chart)
+	}
+	if r.explain != "" {
+		var b strings.Builder
+		for _, p := range rep.Points {
+			b.WriteString(p.Plans + "\n")
+		}
+		if err := os.WriteFile(r.explain, []byte(b.String()), 0o644); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
 func loadAvg() string {
 	b, err := os.ReadFile("/proc/loadavg")
 	if err != nil {
@@ -215,7 +312,7 @@ func reproduce() string {
 		}
 		name := strings.TrimLeft(a, "-")
 		name, _, hasValue := strings.Cut(name, "=")
-		if slices.Contains([]string{"out", "statements", "cpuprofile"}, name) {
+		if slices.Contains([]string{"out", "statements", "cpuprofile", "chart", "scale-explain"}, name) {
 			skip = !hasValue
 			continue
 		}

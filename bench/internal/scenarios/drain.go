@@ -48,12 +48,6 @@ func (s *Suite) drainOurs(ctx context.Context, n int) (float64, error) {
 		return 0, err
 	}
 	defer cl.pool.Close()
-	nc, js, err := freshStream(ctx, s.Env.NATSURL, apStream, "apbench.ap.")
-	if err != nil {
-		return 0, err
-	}
-	defer nc.Close()
-	defer js.DeleteStream(context.Background(), apStream) //nolint:errcheck // best effort
 	for i := 0; i < n; i += 100 {
 		tx, err := cl.pool.Begin(ctx)
 		if err != nil {
@@ -74,6 +68,23 @@ func (s *Suite) drainOurs(ctx context.Context, n int) (float64, error) {
 	if _, err := cl.pool.Exec(ctx, "VACUUM ANALYZE outbox_messages"); err != nil {
 		return 0, err
 	}
+	took, err := s.relayDrain(ctx, cl, n, drainTimeout)
+	if err != nil {
+		return 0, err
+	}
+	return float64(n) / took.Seconds(), nil
+}
+
+// relayDrain starts a relay to a fresh JetStream stream on the n messages
+// committed in cl's outbox (payloads seqPayload(0..n-1)) and returns how
+// long it took until JetStream had acknowledged them all.
+func (s *Suite) relayDrain(ctx context.Context, cl *cell, n int, timeout time.Duration) (time.Duration, error) {
+	nc, js, err := freshStream(ctx, s.Env.NATSURL, apStream, "apbench.ap.")
+	if err != nil {
+		return 0, err
+	}
+	defer nc.Close()
+	defer js.DeleteStream(context.Background(), apStream) //nolint:errcheck // best effort
 	tr := newAckTracker()
 	pub, err := natspub.New(js, &natspub.Config{SubjectPrefix: "apbench.ap."})
 	if err != nil {
@@ -86,12 +97,9 @@ func (s *Suite) drainOurs(ctx context.Context, n int) (float64, error) {
 	if err := relay.Start(context.WithoutCancel(ctx)); err != nil {
 		return 0, err
 	}
-	took, err := tr.waitAcks(n, drainTimeout)
+	took, err := tr.waitAcks(n, timeout)
 	relay.Stop()
-	if err != nil {
-		return 0, err
-	}
-	return float64(n) / took.Seconds(), nil
+	return took, err
 }
 
 func (s *Suite) drainWatermill(ctx context.Context, n int) (float64, error) {
