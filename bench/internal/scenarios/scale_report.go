@@ -5,6 +5,7 @@ import (
 	"image/color"
 	"io"
 	"math"
+	"strconv"
 	"strings"
 	"time"
 
@@ -161,10 +162,10 @@ func (r *ScaleReport) Chart(file string) error {
 	p := plot.New()
 	p.Title.Text = fmt.Sprintf("atomicphase: latency beside N finished keys (c=%d)", c)
 	p.X.Label.Text = "finished keys in the table"
-	p.Y.Label.Text = "latency, ms"
-	p.X.Scale = plot.LogScale{}
-	p.X.Tick.Marker = countTicks{}
-	p.Y.Min = 0
+	p.Y.Label.Text = "latency, ms (log scale)"
+	p.X.Scale, p.Y.Scale = plot.LogScale{}, plot.LogScale{}
+	p.X.Tick.Marker = logTicks{label: func(v float64) string { return Count(int(v)) }}
+	p.Y.Tick.Marker = logTicks{label: func(v float64) string { return strconv.FormatFloat(v, 'f', -1, 64) }}
 	if len(r.Points) > 0 {
 		p.X.Min, p.X.Max = float64(r.Points[0].Keys)/1.5, float64(r.Points[len(r.Points)-1].Keys)*1.5
 	}
@@ -175,6 +176,22 @@ func (r *ScaleReport) Chart(file string) error {
 		color.RGBA{R: 0x1f, G: 0x77, B: 0xb4, A: 0xff},
 		color.RGBA{R: 0xd6, G: 0x27, B: 0x28, A: 0xff},
 		color.RGBA{R: 0x2c, G: 0xa0, B: 0x2c, A: 0xff},
+	}
+	// The y range: from half the lowest latency to eight times the highest,
+	// which leaves the top of the chart to the legend.
+	lo, hi := math.Inf(1), 0.0
+	for _, pt := range r.Points {
+		for _, op := range ScaleOps {
+			res := pt.Results[ScaleCell{op, c}]
+			for _, pct := range []float64{50, 99} {
+				if v := float64(res.Percentile(pct)) / float64(time.Millisecond); v > 0 {
+					lo, hi = min(lo, v), max(hi, v)
+				}
+			}
+		}
+	}
+	if hi > 0 {
+		p.Y.Min, p.Y.Max = lo/2, hi*8
 	}
 	for i, op := range ScaleOps {
 		for _, pct := range []float64{50, 99} {
@@ -201,15 +218,16 @@ func (r *ScaleReport) Chart(file string) error {
 	return p.Save(7*vg.Inch, 4.5*vg.Inch, file)
 }
 
-// countTicks labels a log axis at powers of ten as 1k, 10k, 100k, 1M, 10M.
-type countTicks struct{}
+// logTicks marks a log axis: a labelled tick at each power of ten, and
+// unlabelled ones at its multiples between.
+type logTicks struct{ label func(float64) string }
 
-func (countTicks) Ticks(lo, hi float64) []plot.Tick {
+func (t logTicks) Ticks(lo, hi float64) []plot.Tick {
 	var ts []plot.Tick
 	for e := math.Floor(math.Log10(lo)); e <= math.Ceil(math.Log10(hi)); e++ {
 		v := math.Pow(10, e)
 		if v >= lo*0.999 && v <= hi*1.001 {
-			ts = append(ts, plot.Tick{Value: v, Label: Count(int(v))})
+			ts = append(ts, plot.Tick{Value: v, Label: t.label(v)})
 		}
 		for m := 2.0; m < 10; m++ {
 			if mv := m * v; mv >= lo && mv <= hi {
