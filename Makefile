@@ -52,6 +52,8 @@ torture: ## The long reliability run: crash matrix, faults, restarts, failovers 
 fuzz: ## Run each fuzz target for FUZZTIME (default 10s)
 	$(GO) test -run '^$$' -fuzz '^FuzzValidateKey$$' -fuzztime $(FUZZTIME) ./txn
 	$(GO) test -run '^$$' -fuzz '^FuzzCanonicalJSON$$' -fuzztime $(FUZZTIME) ./txn
+	$(GO) test -run '^$$' -fuzz '^FuzzCanonicalJSONMatchesReference$$' -fuzztime $(FUZZTIME) ./txn
+	$(GO) test -run '^$$' -fuzz '^FuzzWriteStringMatchesReference$$' -fuzztime $(FUZZTIME) ./txn
 	$(GO) test -run '^$$' -fuzz '^FuzzParseKey$$' -fuzztime $(FUZZTIME) ./httpidem
 	$(GO) test -run '^$$' -fuzz '^FuzzValidate$$' -fuzztime $(FUZZTIME) ./outbox
 

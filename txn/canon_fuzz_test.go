@@ -2,8 +2,11 @@ package txn
 
 import (
 	"bytes"
+	"math/rand/v2"
 	"strings"
 	"testing"
+
+	"github.com/stretchr/testify/require"
 )
 
 // canonSeeds are inputs at the edges of the grammar and of what the
@@ -100,4 +103,103 @@ func FuzzWriteStringMatchesReference(f *testing.F) {
 			t.Fatalf("%q: %q (%v), the reference's %q (%v)", s, got.String(), err, want.String(), werr)
 		}
 	})
+}
+
+// Generated documents reach deeper into the grammar than byte mutations
+// do: nested unsorted objects, escapes of every kind, surrogates paired or
+// not, numbers of every shape, random whitespace, and sometimes a fault
+// (a duplicate key, a stray byte, a truncation). Both parsers must agree on
+// every one.
+func TestCanonicalJSONMatchesReferenceOnGeneratedDocuments(t *testing.T) {
+	t.Parallel()
+	r := rand.New(rand.NewPCG(7, 11))
+	ws := func() string { return []string{"", "", "", " ", "\n\t", "\r\n  "}[r.IntN(6)] }
+	str := func() string {
+		parts := []string{"a", "b", "é", "\U0001F600", "\u2028", "\u2029", "\x7f", `\"`, `\\`, `\/`, `\b`, `\f`, `\n`,
+			`\r`, `\t`, `\u0001`, `\u001F`, `\u00e9`, `\u2028`, `\uD83D\uDE00`, `\ud800`, `\udc00`, `\ud800\u0041`,
+			`\udbff\udfff`, `\ud800\ud800`, `\u0000`, "<", "&", `\u003c`, "\t", "\x01", `\x`, `\u12`}
+		var b strings.Builder
+		b.WriteByte('"')
+		for range r.IntN(4) {
+			p := parts[r.IntN(len(parts))]
+			if (p == "\t" || p == "\x01" || p == `\x` || p == `\u12` || p == `\u0000`) && r.IntN(8) != 0 {
+				p = "z" // mostly valid
+			}
+			b.WriteString(p)
+		}
+		b.WriteByte('"')
+		return b.String()
+	}
+	num := func() string {
+		return []string{"0", "-0", "1", "-12", "3.14", "1.0", "1e3", "1E+3", "2.5e-7", "-0.0e0", "1e131072", "1e-16384",
+			"100", "0.000", "12345678901234567890", "01", "1.", ".5", "-", "1e"}[r.IntN(20)]
+	}
+	var value func(depth int) string
+	value = func(depth int) string {
+		k := r.IntN(10)
+		if depth > 4 {
+			k = r.IntN(5)
+		}
+		switch k {
+		case 0:
+			return num()
+		case 1:
+			return str()
+		case 2:
+			return []string{"true", "false", "null"}[r.IntN(3)]
+		case 3, 4:
+			return num()
+		case 5, 6:
+			var b strings.Builder
+			b.WriteString("[" + ws())
+			for i := range r.IntN(4) {
+				if i > 0 {
+					b.WriteString(ws() + "," + ws())
+				}
+				b.WriteString(value(depth + 1))
+			}
+			b.WriteString(ws() + "]")
+			return b.String()
+		default:
+			var b strings.Builder
+			b.WriteString("{" + ws())
+			keys := []string{`"a"`, `"b"`, `"c"`, `"ab"`, `""`, `"é"`, `"\u0061"`, `"\ud800"`, `"\udbff"`, `"Z"`, `"\n"`}
+			for i := range r.IntN(5) {
+				if i > 0 {
+					b.WriteString(ws() + "," + ws())
+				}
+				key := keys[r.IntN(len(keys))]
+				if r.IntN(3) == 0 {
+					key = str()
+				}
+				b.WriteString(key + ws() + ":" + ws() + value(depth+1))
+			}
+			b.WriteString(ws() + "}")
+			return b.String()
+		}
+	}
+	accepted := 0
+	const n = 20000
+	for range n {
+		doc := ws() + value(0) + ws()
+		if r.IntN(10) == 0 { // a fault
+			switch i := r.IntN(len(doc) + 1); r.IntN(3) {
+			case 0:
+				doc = doc[:i]
+			case 1:
+				doc = doc[:i] + string(",:]}x\"\\"[r.IntN(7)]) + doc[i:]
+			default:
+				doc += " " + value(0)
+			}
+		}
+		want, werr := canonicalJSONReference([]byte(doc))
+		got, err := canonicalJSON([]byte(doc))
+		require.Equal(t, werr == nil, err == nil, "%q: error %v, the reference's %v", doc, err, werr)
+		require.Equal(t, string(want), string(got), doc)
+		if err == nil {
+			accepted++
+		}
+	}
+	require.Greater(t, accepted, n/4, "most documents are valid")
+	require.Less(t, accepted, n-n/10, "some are not")
 }

@@ -4,12 +4,8 @@ import (
 	"bytes"
 	"crypto/sha256"
 	"encoding/binary"
-	"encoding/json"
-	"errors"
 	"fmt"
-	"io"
 	"math"
-	"sort"
 	"strings"
 	"unicode/utf8"
 )
@@ -123,141 +119,6 @@ func fingerprint(method, path string, canonParams []byte) []byte {
 	return h.Sum(nil)
 }
 
-const maxJSONDepth = 128
-
-var errNUL = errors.New(`contains \u0000, which PostgreSQL's jsonb cannot hold`)
-
-// canonicalJSON returns in with object keys sorted (by bytes), insignificant
-// whitespace removed and strings re-escaped uniformly. Numbers keep their
-// literal text: 1.0 and 1 differ, because rounding money through float64
-// would be worse. Duplicate object keys, invalid UTF-8 and trailing data are
-// rejected, and so is what PostgreSQL's jsonb cannot hold (\u0000, numbers
-// outside numeric's range), so that stored params are always valid jsonb.
-func canonicalJSON(in []byte) ([]byte, error) {
-	if !utf8.Valid(in) {
-		return nil, errors.New("not valid UTF-8")
-	}
-	dec := json.NewDecoder(bytes.NewReader(in))
-	dec.UseNumber()
-	var out bytes.Buffer
-	out.Grow(len(in))
-	if err := canonValue(dec, &out, 0); err != nil {
-		return nil, err
-	}
-	if _, err := dec.Token(); err != io.EOF {
-		return nil, errors.New("trailing data after the JSON value")
-	}
-	return out.Bytes(), nil
-}
-
-func canonValue(dec *json.Decoder, out *bytes.Buffer, depth int) error {
-	if depth > maxJSONDepth {
-		return fmt.Errorf("nested deeper than %d", maxJSONDepth)
-	}
-	tok, err := dec.Token()
-	if err != nil {
-		return fmt.Errorf("not valid JSON: %w", err)
-	}
-	switch t := tok.(type) {
-	case json.Delim:
-		switch t {
-		case '{':
-			return canonObject(dec, out, depth)
-		case '[':
-			out.WriteByte('[')
-			for i := 0; dec.More(); i++ {
-				if i > 0 {
-					out.WriteByte(',')
-				}
-				if err := canonValue(dec, out, depth+1); err != nil {
-					return err
-				}
-			}
-			if _, err := dec.Token(); err != nil {
-				return fmt.Errorf("not valid JSON: %w", err)
-			}
-			out.WriteByte(']')
-			return nil
-		default:
-			return fmt.Errorf("not valid JSON: unexpected %q", t)
-		}
-	case string:
-		return writeString(out, t)
-	case json.Number:
-		if err := checkNumeric(string(t)); err != nil {
-			return err
-		}
-		out.WriteString(string(t))
-	case bool:
-		if t {
-			out.WriteString("true")
-		} else {
-			out.WriteString("false")
-		}
-	case nil:
-		out.WriteString("null")
-	}
-	return nil
-}
-
-func canonObject(dec *json.Decoder, out *bytes.Buffer, depth int) error {
-	type member struct {
-		key   string
-		value []byte
-	}
-	var members []member
-	seen := make(map[string]struct{})
-	for dec.More() {
-		tok, err := dec.Token()
-		if err != nil {
-			return fmt.Errorf("not valid JSON: %w", err)
-		}
-		k, ok := tok.(string)
-		if !ok {
-			return errors.New("not valid JSON: object key is not a string")
-		}
-		if _, dup := seen[k]; dup {
-			return fmt.Errorf("duplicate object key %q", truncate(k, 64))
-		}
-		seen[k] = struct{}{}
-		var v bytes.Buffer
-		if err := canonValue(dec, &v, depth+1); err != nil {
-			return err
-		}
-		members = append(members, member{k, v.Bytes()})
-	}
-	if _, err := dec.Token(); err != nil {
-		return fmt.Errorf("not valid JSON: %w", err)
-	}
-	sort.Slice(members, func(i, j int) bool { return members[i].key < members[j].key })
-	out.WriteByte('{')
-	for i, m := range members {
-		if i > 0 {
-			out.WriteByte(',')
-		}
-		if err := writeString(out, m.key); err != nil {
-			return err
-		}
-		out.WriteByte(':')
-		out.Write(m.value)
-	}
-	out.WriteByte('}')
-	return nil
-}
-
-func writeString(out *bytes.Buffer, s string) error {
-	if strings.IndexByte(s, 0) >= 0 {
-		return errNUL
-	}
-	enc := json.NewEncoder(out)
-	enc.SetEscapeHTML(false)
-	if err := enc.Encode(s); err != nil {
-		return err
-	}
-	out.Truncate(out.Len() - 1) // Encode appends a newline
-	return nil
-}
-
 // Limits of PostgreSQL's numeric type, in which jsonb stores numbers: a
 // value is base-10000 digits with an int16 weight (the power of 10000 of
 // its first digit) and at most 16383 decimal digits after the point.
@@ -273,7 +134,8 @@ const (
 // the JSON number literal lit, following numeric_in: the display scale is
 // the digits after the point minus the exponent (at least 0), and the
 // weight is that of the first non-zero base-10000 digit. lit is known to be
-// a valid JSON number.
+// a valid JSON number. It keeps no reference to lit (error messages hold a
+// copy), so a caller's []byte to string conversion can stay on the stack.
 func checkNumeric(lit string) error {
 	mant, exp := lit, int64(0)
 	if i := strings.IndexAny(lit, "eE"); i >= 0 {
@@ -287,7 +149,7 @@ func checkNumeric(lit string) error {
 		for j := 0; j < len(e); j++ {
 			exp = exp*10 + int64(e[j]-'0')
 			if exp > numericExponentMax {
-				return fmt.Errorf("number %s is out of PostgreSQL's numeric range", truncate(lit, 40))
+				return fmt.Errorf("number %s is out of PostgreSQL's numeric range", truncate(strings.Clone(lit), 40))
 			}
 		}
 		if neg {
@@ -299,7 +161,7 @@ func checkNumeric(lit string) error {
 	dscale := max(int64(len(frac))-exp, 0)
 	if dscale > numericDscaleMax {
 		return fmt.Errorf("number %s has more than %d digits after the decimal point, PostgreSQL's numeric limit",
-			truncate(lit, 40), numericDscaleMax)
+			truncate(strings.Clone(lit), 40), numericDscaleMax)
 	}
 	digits := intPart + frac
 	first := strings.IndexFunc(digits, func(r rune) bool { return r != '0' })
@@ -314,7 +176,7 @@ func checkNumeric(lit string) error {
 		weight--
 	}
 	if weight > numericWeightMax || weight < numericWeightMin {
-		return fmt.Errorf("number %s is out of PostgreSQL's numeric range", truncate(lit, 40))
+		return fmt.Errorf("number %s is out of PostgreSQL's numeric range", truncate(strings.Clone(lit), 40))
 	}
 	return nil
 }
