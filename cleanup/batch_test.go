@@ -51,6 +51,20 @@ func waitForCleanerBlockedBy(t *testing.T, d *pgtest.DB, holder int) {
 
 // A key some other session holds locked (nothing in atomicphase locks a
 // terminal key; an operator's SELECT ... FOR UPDATE does) is waited for and
+
+// startRound runs one cleanup round in the background: done closes when it
+// ends, and result waits for it and returns its outcome.
+func startRound(t *testing.T, d *pgtest.DB, cfg cleanup.Config) (done <-chan struct{}, result func() (cleanup.Report, error)) {
+	ch := make(chan struct{})
+	var rep cleanup.Report
+	var err error
+	go func() {
+		defer close(ch)
+		rep, err = newCleaner(t, d, cfg).RunOnce(context.Background())
+	}()
+	return ch, func() (cleanup.Report, error) { <-ch; return rep, err }
+}
+
 // deleted with its tombstone, not skipped until a later round.
 func TestCleanerWaitsForALockedExpiredKeyInsteadOfSkippingIt(t *testing.T) {
 	t.Parallel()
@@ -66,13 +80,7 @@ func TestCleanerWaitsForALockedExpiredKeyInsteadOfSkippingIt(t *testing.T) {
 	require.NoError(t, err)
 	holder := lockHolder(t, tx)
 
-	done := make(chan struct{})
-	var rep cleanup.Report
-	var runErr error
-	go func() {
-		defer close(done)
-		rep, runErr = newCleaner(t, d, cleanup.Config{BatchSize: 100}).RunOnce(ctx)
-	}()
+	done, result := startRound(t, d, cleanup.Config{BatchSize: 100})
 	waitForCleanerBlockedBy(t, d, holder)
 	select {
 	case <-done:
@@ -80,7 +88,7 @@ func TestCleanerWaitsForALockedExpiredKeyInsteadOfSkippingIt(t *testing.T) {
 	default:
 	}
 	require.NoError(t, tx.Commit(ctx))
-	<-done
+	rep, runErr := result()
 	require.NoError(t, runErr)
 	require.Equal(t, int64(n), rep.KeysDeleted)
 	require.Zero(t, d.Count(t, `SELECT count(*) FROM idempotency_keys`))
@@ -110,16 +118,10 @@ func TestCleanerRechecksAKeyChangedWhileItWaited(t *testing.T) {
 	require.NoError(t, err)
 	holder := lockHolder(t, tx)
 
-	done := make(chan struct{})
-	var rep cleanup.Report
-	var runErr error
-	go func() {
-		defer close(done)
-		rep, runErr = newCleaner(t, d, cleanup.Config{BatchSize: 100}).RunOnce(ctx)
-	}()
+	_, result := startRound(t, d, cleanup.Config{BatchSize: 100})
 	waitForCleanerBlockedBy(t, d, holder)
 	require.NoError(t, tx.Commit(ctx))
-	<-done
+	rep, runErr := result()
 	require.NoError(t, runErr)
 	require.Equal(t, 1, d.Count(t, `SELECT count(*) FROM idempotency_keys WHERE key = 'k3' AND status = 'running'`),
 		"the key made running meanwhile is kept")
