@@ -88,8 +88,12 @@ var (
 
 const (
 	// wakeCooldown is the least time between the starts of two batches when
-	// the second is woken by a notification.
-	wakeCooldown = 20 * time.Millisecond
+	// the second is woken by a notification, and the pause after a batch
+	// that was neither full nor empty: a busy relay's producers do not
+	// notify, so it is also how late a busy relay looks for new messages.
+	// (20 ms gave a p99 commit-to-ack of 64 ms at c=8 in the bench; 5 ms,
+	// 43 ms.)
+	wakeCooldown = 5 * time.Millisecond
 	// maxErrorBytes bounds last_error.
 	maxErrorBytes = 2000
 )
