@@ -6,9 +6,9 @@ import (
 	"fmt"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/atomicphase/atomicphase/internal/db"
+	"github.com/atomicphase/atomicphase/internal/pgbatch"
 	"github.com/atomicphase/atomicphase/internal/pgerr"
 	"github.com/atomicphase/atomicphase/internal/phasectx"
 	"github.com/atomicphase/atomicphase/internal/telemetry"
@@ -146,7 +146,7 @@ func (r *Runner) runSingle(ctx context.Context, req request, fn Func) (resp Resp
 	}
 	b := &pgx.Batch{}
 	b.BeginTx(pgx.TxOptions{IsoLevel: pgx.Serializable})
-	if _, err := db.New(batchQueue{b}).InsertSingleKey(ctx, params); err != nil {
+	if _, err := db.New(pgbatch.Queue{B: b}).InsertSingleKey(ctx, params); err != nil {
 		return Response{}, false, err
 	}
 	br := conn.SendBatch(ctx, b)
@@ -162,7 +162,7 @@ func (r *Runner) runSingle(ctx context.Context, req request, fn Func) (resp Resp
 		_ = br.Close()
 		return Response{}, false, fmt.Errorf("begin: %w", err)
 	}
-	ins, err := db.New(batchResults{br}).InsertSingleKey(ctx, params)
+	ins, err := db.New(pgbatch.Results{BR: br}).InsertSingleKey(ctx, params)
 	if cerr := br.Close(); err == nil && cerr != nil {
 		err = cerr
 	}
@@ -221,7 +221,7 @@ func (r *Runner) runSingle(ctx context.Context, req request, fn Func) (resp Resp
 // be used again.
 func commitWith(ctx context.Context, tx pgx.Tx, queue func(q *db.Queries) error) error {
 	b := &pgx.Batch{}
-	if err := queue(db.New(batchQueue{b})); err != nil {
+	if err := queue(db.New(pgbatch.Queue{B: b})); err != nil {
 		return err
 	}
 	b.Queue("commit")
@@ -245,39 +245,3 @@ func commitWith(ctx context.Context, tx pgx.Tx, queue func(q *db.Queries) error)
 	}
 	return nil
 }
-
-// batchQueue is a db.DBTX that queues statements in a batch instead of
-// running them, so generated queries can be pipelined.
-type batchQueue struct{ b *pgx.Batch }
-
-func (q batchQueue) Exec(_ context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
-	q.b.Queue(sql, args...)
-	return pgconn.CommandTag{}, nil
-}
-
-func (q batchQueue) Query(_ context.Context, sql string, args ...any) (pgx.Rows, error) {
-	q.b.Queue(sql, args...)
-	return nil, errors.New("a queued query has no rows yet")
-}
-
-func (q batchQueue) QueryRow(_ context.Context, sql string, args ...any) pgx.Row {
-	q.b.Queue(sql, args...)
-	return queuedRow{}
-}
-
-type queuedRow struct{}
-
-func (queuedRow) Scan(...any) error { return nil }
-
-// batchResults is a db.DBTX that reads the next result of a sent batch
-// instead of running a statement, so that generated queries scan the
-// results of the statements batchQueue queued, in the same order.
-type batchResults struct{ br pgx.BatchResults }
-
-func (b batchResults) Exec(context.Context, string, ...any) (pgconn.CommandTag, error) {
-	return b.br.Exec()
-}
-
-func (b batchResults) Query(context.Context, string, ...any) (pgx.Rows, error) { return b.br.Query() }
-
-func (b batchResults) QueryRow(context.Context, string, ...any) pgx.Row { return b.br.QueryRow() }

@@ -37,3 +37,20 @@ func (q Queue) QueryRow(_ context.Context, sql string, args ...any) pgx.Row {
 type queuedRow struct{}
 
 func (queuedRow) Scan(...any) error { return nil }
+
+// Results is a db.DBTX that reads the next result of a sent batch instead of
+// running a statement: db.New(pgbatch.Results{BR: br}).SomeQuery(ctx, ...)
+// scans the result of the SomeQuery that Queue queued at the same position.
+// The query's arguments are ignored.
+type Results struct{ BR pgx.BatchResults }
+
+// Exec reads the next result as a command tag.
+func (r Results) Exec(context.Context, string, ...any) (pgconn.CommandTag, error) {
+	return r.BR.Exec()
+}
+
+// Query reads the next result as rows.
+func (r Results) Query(context.Context, string, ...any) (pgx.Rows, error) { return r.BR.Query() }
+
+// QueryRow reads the next result as one row.
+func (r Results) QueryRow(context.Context, string, ...any) pgx.Row { return r.BR.QueryRow() }
