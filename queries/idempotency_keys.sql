@@ -9,6 +9,19 @@ SELECT id, fingerprint, workflow, recovery_point, status,
 FROM idempotency_keys
 WHERE scope = @scope AND key = @key;
 
+-- name: LookupWorkflowKey :one
+-- LookupKey for RunWorkflow: always one row. For a missing key, id is NULL
+-- and seed is the foreign-key seed the key will be inserted with (InsertKey
+-- takes it back), so that the attempt can derive foreign keys before the
+-- insert, which waits for the workflow's first commit.
+SELECT k.id, k.fingerprint, k.workflow, k.recovery_point, k.status,
+       coalesce(k.lease_token IS NOT NULL AND k.leased_until > now(), false)::boolean AS lease_live,
+       coalesce(greatest(extract(epoch FROM k.leased_until - now()), 0), 0)::float8 AS lease_remaining_seconds,
+       k.attempts, k.response_status, k.response_headers, k.response_body,
+       CASE WHEN k.id IS NULL THEN atomicphase_foreign_key_seed(@scope, @key) ELSE 0 END::bigint AS seed
+FROM (SELECT 1) AS one
+LEFT JOIN idempotency_keys k ON k.scope = @scope AND k.key = @key;
+
 -- name: LookupKeyForResume :one
 -- Like LookupKey, with the stored request, for resuming without the client:
 -- the params' exact bytes, or for a row written before they were kept, the
@@ -36,7 +49,8 @@ WHERE scope = @scope AND key = @key;
 -- are stored as their canonical bytes (request_params_raw), not as jsonb.
 -- A key with a live tombstone (deleted after its TTL) raises AP002 when
 -- reject_expired is set; otherwise reused_expired says it was one. The
--- foreign-key seed is stored with the row (migration 00010).
+-- foreign-key seed is stored with the row (migration 00010): the one
+-- LookupWorkflowKey read, or if NULL, computed here.
 INSERT INTO idempotency_keys (
     scope, key, fingerprint, request_method, request_path, request_params_raw,
     workflow, recovery_point, phase_results, status, lease_token, leased_until,
@@ -45,7 +59,7 @@ INSERT INTO idempotency_keys (
 SELECT @scope, @key, @fingerprint, @request_method, @request_path, @request_params::bytea,
        @workflow, 'started', '{}'::jsonb, 'running', @lease_token::uuid,
        clock_timestamp() + make_interval(secs => @lease_seconds::float8),
-       1, now(), now(), atomicphase_foreign_key_seed(@scope, @key)
+       1, now(), now(), coalesce(sqlc.narg(seed)::bigint, atomicphase_foreign_key_seed(@scope, @key))
 WHERE pg_try_advisory_xact_lock(
     hashtextextended(length(@scope::text)::text || ':' || @scope::text || @key::text,
                     'idempotency_keys'::regclass::oid::bigint))
@@ -117,9 +131,10 @@ RETURNING ctid, recovery_point, phase_results, phase_results_raw, attempts, fore
 
 -- name: CommitPhase :one
 -- Records a committed phase in the phase's own transaction: member is
--- `"name":result`, the JSON-encoded name and the result's exact bytes,
--- appended to the phase_results_raw object (kept as bytes: jsonb cannot hold
--- every result a foreign call returns). The lease is extended from
+-- `"name":result`, the JSON-encoded name and the result's exact bytes
+-- (preceded by the members of foreign calls made since the last commit,
+-- comma-separated), appended to the phase_results_raw object (kept as
+-- bytes: jsonb cannot hold every result a foreign call returns). The lease is extended from
 -- clock_timestamp(), the time of this statement, so a phase that ran longer
 -- than the lease still commits a live one.
 UPDATE idempotency_keys
@@ -136,9 +151,17 @@ RETURNING ctid;
 -- name: ExtendLease :one
 -- Extends a held lease before a foreign call, from clock_timestamp(); or, if
 -- the key was created more than max_age ago, fails it instead, as
--- TakeOverKey does, so that the call is not made. failed tells which.
+-- TakeOverKey does, so that the call is not made. failed tells which. It
+-- also records the results of foreign calls made since the last commit
+-- (member, as CommitPhase's; empty for none), phase the last of them.
 UPDATE idempotency_keys
-SET lease_token      = CASE WHEN created_at > now() - make_interval(secs => @max_age_seconds::float8)
+SET recovery_point = CASE WHEN coalesce(length(@member::bytea), 0) = 0 THEN recovery_point ELSE @phase::text END,
+    phase_results_raw = CASE WHEN coalesce(length(@member::bytea), 0) = 0 THEN phase_results_raw
+                             WHEN phase_results_raw IS NULL OR length(phase_results_raw) <= 2
+                             THEN '{'::bytea || @member::bytea || '}'::bytea
+                             ELSE overlay(phase_results_raw PLACING ','::bytea || @member::bytea || '}'::bytea
+                                          FROM length(phase_results_raw) FOR 1) END,
+    lease_token      = CASE WHEN created_at > now() - make_interval(secs => @max_age_seconds::float8)
                             THEN lease_token END,
     leased_until     = CASE WHEN created_at > now() - make_interval(secs => @max_age_seconds::float8)
                             THEN clock_timestamp() + make_interval(secs => @lease_seconds::float8) END,
@@ -166,10 +189,16 @@ SELECT ctid, recovery_point FROM idempotency_keys
 WHERE id = @id AND lease_token = @lease_token AND status = 'running';
 
 -- name: FinishKey :one
--- Stores the terminal response and releases the lease (a single-phase run
--- has no lease: its token is NULL).
+-- Stores the terminal response and releases the lease, with the results of
+-- foreign calls made since the last commit (member, as CommitPhase's; empty
+-- for none).
 UPDATE idempotency_keys
 SET status = 'finished',
+    phase_results_raw = CASE WHEN coalesce(length(@member::bytea), 0) = 0 THEN phase_results_raw
+                             WHEN phase_results_raw IS NULL OR length(phase_results_raw) <= 2
+                             THEN '{'::bytea || @member::bytea || '}'::bytea
+                             ELSE overlay(phase_results_raw PLACING ','::bytea || @member::bytea || '}'::bytea
+                                          FROM length(phase_results_raw) FOR 1) END,
     recovery_point = @recovery_point,
     response_status = @response_status,
     response_headers = sqlc.arg(response_headers)::text::jsonb,
@@ -203,9 +232,17 @@ SELECT pg_advisory_xact_lock(
 
 -- name: ReleaseKey :execrows
 -- Frees the lease after a transient error; the recovery point stays, so a
--- retry or the resumer continues from it. Runs in its own transaction.
+-- retry or the resumer continues from it, after the results of foreign calls
+-- made since the last commit (member, as CommitPhase's; empty for none),
+-- phase the last of them. Runs in its own transaction.
 UPDATE idempotency_keys
-SET lease_token = NULL, leased_until = NULL, last_run_at = now()
+SET recovery_point = CASE WHEN coalesce(length(@member::bytea), 0) = 0 THEN recovery_point ELSE @phase::text END,
+    phase_results_raw = CASE WHEN coalesce(length(@member::bytea), 0) = 0 THEN phase_results_raw
+                             WHEN phase_results_raw IS NULL OR length(phase_results_raw) <= 2
+                             THEN '{'::bytea || @member::bytea || '}'::bytea
+                             ELSE overlay(phase_results_raw PLACING ','::bytea || @member::bytea || '}'::bytea
+                                          FROM length(phase_results_raw) FOR 1) END,
+    lease_token = NULL, leased_until = NULL, last_run_at = now()
 WHERE id = @id AND lease_token = @lease_token AND status = 'running';
 
 -- name: FinishSingleKey :exec

@@ -48,8 +48,6 @@ func TestResumerResumesStalledKeyAtEachRecoveryPoint(t *testing.T) {
 		crash     bool   // leave an expired lease behind, as a crashed process does
 		ran       map[string]int
 	}{
-		{name: "started", failPhase: "reserve", point: txn.RecoveryPointStarted,
-			ran: map[string]int{"reserve": 1, "charge": 1, "finish": 1}},
 		{name: "after_phase_1_released", failPhase: "charge", point: "reserve",
 			ran: map[string]int{"reserve": 1, "charge": 1, "finish": 1}},
 		{name: "after_phase_2_crashed_with_expired_lease", failPhase: "finish", point: "charge", crash: true,
@@ -269,7 +267,7 @@ func TestResumerFailsKeyPastMaxAgeAndRetryReplaysFailure(t *testing.T) {
 	ctx := context.Background()
 	f := newFixture(t)
 
-	f.failOnce("k1", "reserve")
+	f.failOnce("k1", "charge")
 	_, err := f.runner.RunWorkflow(ctx, f.chargeKey("k1", 7), f.wf)
 	require.ErrorIs(t, err, errTransient)
 	f.exec(t, `UPDATE idempotency_keys SET created_at = now() - interval '12 hours 1 minute',
@@ -285,7 +283,30 @@ func TestResumerFailsKeyPastMaxAgeAndRetryReplaysFailure(t *testing.T) {
 	require.NoError(t, err)
 	requireFailure(t, resp, recovery.ReasonMaxAge)
 	require.Equal(t, calls, f.calls.Load(), "the workflow did not run again")
-	require.Empty(t, f.effects(t, "k1"))
+	require.Equal(t, map[string]int{"reserve": 1}, f.effects(t, "k1"), "the charge was never made")
+}
+
+// A workflow that fails before its first commit leaves no key (its key
+// goes in with that commit): the Resumer has nothing to resume, and the
+// client's retry runs the operation as a first attempt.
+func TestResumerFindsNoKeyAfterAFailureBeforeTheFirstCommit(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := newFixture(t)
+	f.failOnce("k1", "reserve")
+	_, err := f.runner.RunWorkflow(ctx, f.chargeKey("k1", 7), f.wf)
+	require.ErrorIs(t, err, errTransient)
+	require.Zero(t, f.d.Count(t, `SELECT count(*) FROM idempotency_keys`))
+
+	rep, err := newResumer(t, f, f.registry, recovery.Config{ResumeDelay: time.Nanosecond}).RunOnce(ctx)
+	require.NoError(t, err)
+	require.Equal(t, recovery.Report{}, rep)
+
+	resp, err := f.runner.RunWorkflow(ctx, f.chargeKey("k1", 7), f.wf)
+	require.NoError(t, err)
+	require.False(t, resp.Replayed)
+	require.Equal(t, 1, f.row(t, "k1").Attempts)
+	require.Equal(t, map[string]int{"reserve": 1, "charge": 1, "finish": 1}, f.effects(t, "k1"))
 }
 
 func TestResumerFailsUnregisteredWorkflowAfterDelayAndRetryReplaysFailure(t *testing.T) {

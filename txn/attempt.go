@@ -10,6 +10,7 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"time"
 	"unicode/utf8"
 
 	"github.com/google/uuid"
@@ -43,6 +44,20 @@ type Attempt struct {
 	closed   bool      // Finish ran
 	finished *Response // stored by Finish
 	tooOld   *Response // stored instead of a foreign call: the key is past MaxAge
+
+	// stored: the key row is this attempt's (taken over, or inserted by a
+	// committed transaction). A first attempt starts without it and
+	// inserts the key with its first commit (see newkey.go); raced: that
+	// insert found the key taken by a concurrent attempt.
+	stored, raced bool
+	reusedExpired bool      // the insert replaced a tombstone (ExpiredKeyNewOperation)
+	began         time.Time // when the attempt started: a first attempt's key is younger
+	leaseAt       time.Time // the last commit that set the lease began no earlier
+	// pending holds the members (`"name":result`, comma-separated) of
+	// foreign calls made since the last commit; the next commit records
+	// them, pendingPoint (the last of them) as the recovery point.
+	pending      []byte
+	pendingPoint string
 }
 
 // Params returns the request's params as canonical JSON (object keys
@@ -164,7 +179,8 @@ func runAtomic[T any](ctx context.Context, a *Attempt, name string, fn func(ctx 
 	var zero T
 	var raw []byte
 	var tid pgtype.TID
-	err := a.r.inTx(ctx, func(tx pgx.Tx) error {
+	var sent time.Time
+	err := a.inTx(ctx, func(tx pgx.Tx) error {
 		utx := newUserTx(tx)
 		v, err := guard(func() (T, error) { return fn(phasectx.WithKeyID(ctx, a.id), utx) })
 		if rerr := utx.retry(); rerr != nil {
@@ -180,6 +196,7 @@ func runAtomic[T any](ctx context.Context, a *Attempt, name string, fn func(ctx 
 		if err != nil {
 			return fmt.Errorf("%w: encode result: %w", ErrInvalidUse, err)
 		}
+		sent = time.Now()
 		tid, err = a.commitPhase(ctx, a.r.q.WithTx(tx), name, raw)
 		if err == nil {
 			a.at(txnhook.BeforeCommit, txnhook.CommitPhase, name, "")
@@ -191,6 +208,8 @@ func runAtomic[T any](ctx context.Context, a *Attempt, name string, fn func(ctx 
 	}
 	a.at(txnhook.AfterCommit, txnhook.CommitPhase, name, "")
 	a.tid = tid // only now: a rolled-back try leaves the row where it was
+	a.leaseAt = sent
+	a.pending, a.pendingPoint = nil, ""
 	return recordResult[T](a, name, raw)
 }
 
@@ -206,9 +225,19 @@ func runAtomic[T any](ctx context.Context, a *Attempt, name string, fn func(ctx 
 // the workflow for a definitive failure (e.g. card declined), or the error
 // to leave the key resumable.
 //
-// Before calling fn, the lease is checked and extended; if the key is older
-// than Config.MaxAge, fn is not called: the key is failed with a stored
-// problem response, which becomes the workflow's answer.
+// The result is recorded with the next commit of the workflow (the next
+// Atomic phase or Finish, or the terminal response; a release after an
+// error records it too), not in a transaction of its own: a death before
+// that repeats the call under the same foreign key, which the provider
+// deduplicates.
+//
+// Before calling fn, the lease is checked and extended, unless this attempt
+// created the key and its last commit began less than half a LeaseDuration
+// ago (and less than half of MaxAge after the attempt began): then the
+// lease is known to be held, and the key to be younger than MaxAge, without
+// asking. If the key is older than Config.MaxAge, fn is not called: the key
+// is failed with a stored problem response, which becomes the workflow's
+// answer. A Foreign phase that comes first inserts the key before the call.
 func Foreign[T any](ctx context.Context, a *Attempt, name string, fn func(ctx context.Context, foreignKey string) (T, error)) (T, error) {
 	if v, done, err := startPhase[T](a, name, fn == nil); done {
 		return v, err
@@ -222,15 +251,76 @@ func Foreign[T any](ctx context.Context, a *Attempt, name string, fn func(ctx co
 
 func runForeign[T any](ctx context.Context, a *Attempt, name string, fn func(ctx context.Context, foreignKey string) (T, error)) (T, error) {
 	var zero T
-	// Check and extend the lease before calling out: a holder that lost
-	// its key must not call the provider on the operation's behalf, and
-	// nobody calls it for a key past MaxAge.
+	if !a.stored {
+		if err := a.insertKey(ctx); err != nil {
+			return zero, fmt.Errorf("txn: phase %q: %w", name, err)
+		}
+	}
+	if !a.leaseFresh() {
+		if err := a.extendLease(ctx, name); err != nil {
+			return zero, err
+		}
+	}
+	if err := ctx.Err(); err != nil {
+		// Without a lease check, nothing else would notice before the call.
+		return zero, fmt.Errorf("txn: phase %q: %w", name, err)
+	}
+	a.called = true
+	fk := a.ForeignKey(name)
+	a.at(txnhook.BeforeCall, 0, name, fk)
+	v, err := guard(func() (T, error) { return fn(ctx, fk) })
+	a.at(txnhook.AfterCall, 0, name, fk)
+	if err != nil {
+		return zero, err
+	}
+	raw, err := json.Marshal(v)
+	if err != nil {
+		return zero, fmt.Errorf("txn: phase %q: %w: encode result: %w", name, ErrInvalidUse, err)
+	}
+	// Recorded by the next commit.
+	member, err := phaseMember(name, raw)
+	if err != nil {
+		return zero, fmt.Errorf("txn: phase %q: %w", name, err)
+	}
+	if len(a.pending) > 0 {
+		a.pending = append(a.pending, ',')
+	}
+	a.pending = append(a.pending, member...)
+	a.pendingPoint = name
+	a.results[name] = raw
+	if err := json.Unmarshal(raw, &v); err != nil {
+		return zero, fmt.Errorf("txn: phase %q: %w: result does not decode into %T: %w", name, ErrInvalidUse, v, err)
+	}
+	return v, nil
+}
+
+// leaseFresh reports that a Foreign phase may call out without checking the
+// lease first: this attempt created the key (so it is younger than the
+// attempt) and the commit that last set the lease began less than half a
+// LeaseDuration ago, both by the local monotonic clock. The database set
+// leased_until from its clock during that commit, after it began, so at
+// least half the lease is left, and the key is younger than half of MaxAge.
+// Durations are measured here, never times: the lease and the age are still
+// the database's (rule 9), this only bounds them from below.
+func (a *Attempt) leaseFresh() bool {
+	return a.number == 1 && a.stored && !a.leaseAt.IsZero() &&
+		time.Since(a.began) < a.r.cfg.MaxAge/2 && time.Since(a.leaseAt) < a.r.cfg.LeaseDuration/2
+}
+
+// extendLease checks and extends the lease before a foreign call, recording
+// the results of earlier foreign calls not committed yet: a holder that lost
+// its key must not call the provider on the operation's behalf, and nobody
+// calls it for a key past MaxAge (then the key is failed instead, and
+// a.tooOld set).
+func (a *Attempt) extendLease(ctx context.Context, name string) error {
 	var tooOld *Response
+	sent := time.Now()
 	tid, err := a.fenced(ctx, a.r.q, func(tid pgtype.TID) (pgtype.TID, error) {
 		row, err := a.r.q.ExtendLease(ctx, db.ExtendLeaseParams{
 			Tid: tid, ID: a.id, LeaseToken: a.nullToken(), LeaseSeconds: a.r.cfg.LeaseDuration.Seconds(),
 			MaxAgeSeconds: a.r.cfg.MaxAge.Seconds(), FailureStatus: failure.Status,
 			FailureHeaders: failure.Header, FailureBody: a.r.maxAgeBody,
+			Member: a.pending, Phase: a.pendingPoint,
 		})
 		if err == nil && row.Failed {
 			resp, derr := storedResponse(row.ResponseStatus.Int32, row.ResponseHeaders, row.ResponseBody)
@@ -245,48 +335,46 @@ func runForeign[T any](ctx context.Context, a *Attempt, name string, fn func(ctx
 		tooOld.Replayed = false
 		a.tooOld = tooOld
 		a.r.noteTooOld(ctx, a.req, a.workflow)
-		return zero, fmt.Errorf("txn: phase %q: %w", name, errTooOld)
+		return fmt.Errorf("txn: phase %q: %w", name, errTooOld)
 	}
 	if err != nil {
-		return zero, fmt.Errorf("txn: phase %q: extend lease: %w", name, err)
+		return fmt.Errorf("txn: phase %q: extend lease: %w", name, err)
 	}
 	a.tid = tid
-	a.called = true
-	fk := a.ForeignKey(name)
-	a.at(txnhook.BeforeCall, 0, name, fk)
-	v, err := guard(func() (T, error) { return fn(ctx, fk) })
-	a.at(txnhook.AfterCall, 0, name, fk)
-	if err != nil {
-		return zero, err
+	a.leaseAt = sent
+	if len(a.pending) > 0 {
+		a.point = a.pendingPoint
+		a.pending, a.pendingPoint = nil, ""
 	}
-	raw, err := json.Marshal(v)
-	if err != nil {
-		return zero, fmt.Errorf("txn: phase %q: %w: encode result: %w", name, ErrInvalidUse, err)
-	}
-	// One UPDATE in its own transaction records the result, fenced.
-	a.at(txnhook.BeforeCommit, txnhook.CommitPhase, name, "")
-	tid, err = a.commitPhase(ctx, a.r.q, name, raw)
-	if err != nil {
-		return zero, fmt.Errorf("txn: phase %q: %w", name, err)
-	}
-	a.at(txnhook.AfterCommit, txnhook.CommitPhase, name, "")
-	a.tid = tid
-	return recordResult[T](a, name, raw)
+	return nil
 }
 
-func (a *Attempt) commitPhase(ctx context.Context, q *db.Queries, name string, raw []byte) (pgtype.TID, error) {
-	// The member `"name":raw`, appended to the stored object as bytes.
+// phaseMember is the member `"name":raw` appended to the stored results.
+func phaseMember(name string, raw []byte) ([]byte, error) {
 	var member bytes.Buffer
 	member.Grow(len(name) + len(raw) + 3)
 	if err := writeString(&member, name); err != nil {
-		return a.tid, fmt.Errorf("%w: phase name: %w", ErrInvalidUse, err)
+		return nil, fmt.Errorf("%w: phase name: %w", ErrInvalidUse, err)
 	}
 	member.WriteByte(':')
 	member.Write(raw)
+	return member.Bytes(), nil
+}
+
+// commitPhase records the phase name with its result, after the results of
+// foreign calls not committed yet, fenced.
+func (a *Attempt) commitPhase(ctx context.Context, q *db.Queries, name string, raw []byte) (pgtype.TID, error) {
+	member, err := phaseMember(name, raw)
+	if err != nil {
+		return a.tid, err
+	}
+	if len(a.pending) > 0 {
+		member = append(append(append([]byte(nil), a.pending...), ','), member...)
+	}
 	tid, err := a.fenced(ctx, q, func(tid pgtype.TID) (pgtype.TID, error) {
 		return q.CommitPhase(ctx, db.CommitPhaseParams{
 			Tid: tid, ID: a.id, LeaseToken: a.nullToken(),
-			Phase: name, Member: member.Bytes(), LeaseSeconds: a.r.cfg.LeaseDuration.Seconds(),
+			Phase: name, Member: member, LeaseSeconds: a.r.cfg.LeaseDuration.Seconds(),
 		})
 	})
 	if err != nil {
@@ -366,7 +454,7 @@ func (a *Attempt) Finish(ctx context.Context, fn Func) (Response, error) {
 func (a *Attempt) finish(ctx context.Context, fn Func) (Response, error) {
 	var resp Response
 	stored := true
-	err := a.r.inTx(ctx, func(tx pgx.Tx) error {
+	err := a.inTx(ctx, func(tx pgx.Tx) error {
 		utx := newUserTx(tx)
 		var err error
 		resp, err = guard(func() (Response, error) { return fn(phasectx.WithKeyID(ctx, a.id), utx) })
@@ -399,6 +487,7 @@ func (a *Attempt) finish(ctx context.Context, fn Func) (Response, error) {
 		a.at(txnhook.AfterCommit, txnhook.CommitResponse, "", "")
 		a.finished = &resp
 		a.point = pointFinished
+		a.pending, a.pendingPoint = nil, ""
 	}
 	return resp, nil
 }
@@ -406,7 +495,8 @@ func (a *Attempt) finish(ctx context.Context, fn Func) (Response, error) {
 // errNotStored rolls back a final phase whose response is not stored.
 var errNotStored = errors.New("response not stored")
 
-// store writes the terminal response and releases the lease, fenced.
+// store writes the terminal response and releases the lease, fenced, with
+// the results of foreign calls not committed yet.
 func (a *Attempt) store(ctx context.Context, q *db.Queries, resp Response, point string) error {
 	if err := resp.validate(); err != nil {
 		return err
@@ -417,7 +507,7 @@ func (a *Attempt) store(ctx context.Context, q *db.Queries, resp Response, point
 	}
 	_, err = a.fenced(ctx, q, func(tid pgtype.TID) (pgtype.TID, error) {
 		return q.FinishKey(ctx, db.FinishKeyParams{
-			Tid: tid, ID: a.id, LeaseToken: a.nullToken(), RecoveryPoint: point,
+			Tid: tid, ID: a.id, LeaseToken: a.nullToken(), RecoveryPoint: point, Member: a.pending,
 			ResponseStatus: int4(resp.Status), ResponseHeaders: string(header), ResponseBody: resp.Body,
 		})
 	})

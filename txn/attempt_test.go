@@ -59,23 +59,52 @@ func TestStaleHolderCannotCommitAfterTakeover(t *testing.T) {
 	require.Equal(t, k.Xmin, readKey(t, e.Pool, "user_1", "k1").Xmin, "the finished key was not touched by the stale holder")
 }
 
-func TestLeaseIsExtendedAtEachPhase(t *testing.T) {
+func TestLeaseIsExtendedAtEachCommitAndCheckedOnlyWhenOld(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, &txn.Config{LeaseDuration: time.Hour})
 	ctx := ctxT(t)
-	f := newRideFlow(t, e.reg, "ride")
-	var untils []time.Time
-	f.hook = func(point string, _ *txn.Attempt) {
-		if point == "after_p1" || point == "after_p2" {
-			var u time.Time
-			require.NoError(t, e.Pool.QueryRow(ctx, `SELECT leased_until FROM idempotency_keys`).Scan(&u))
-			untils = append(untils, u)
-		}
+	leasedUntil := func() time.Time {
+		var u time.Time
+		require.NoError(t, e.Pool.QueryRow(ctx, `SELECT leased_until FROM idempotency_keys WHERE status = 'running'`).Scan(&u))
+		return u
 	}
-	_, err := e.runner.RunWorkflow(ctx, rideKey("k1"), f.wf)
+	var untils []time.Time
+	var fail atomic.Bool
+	wf := txn.NewWorkflow("two_phases_and_a_call", func(ctx context.Context, a *txn.Attempt) (txn.Response, error) {
+		for _, phase := range []string{"first", "second"} {
+			if _, err := txn.Atomic(ctx, a, phase, func(context.Context, pgx.Tx) (int, error) { return 1, nil }); err != nil {
+				return txn.Response{}, err
+			}
+			untils = append(untils, leasedUntil())
+		}
+		if fail.Load() {
+			return txn.Response{}, errInjected
+		}
+		if _, err := txn.Foreign(ctx, a, "call", func(context.Context, string) (int, error) { return 1, nil }); err != nil {
+			return txn.Response{}, err
+		}
+		untils = append(untils, leasedUntil())
+		return txn.Response{Status: 201}, nil
+	})
+	require.NoError(t, e.reg.Register(wf))
+	_, err := e.runner.RunWorkflow(ctx, rideKey("k1"), wf)
 	require.NoError(t, err)
-	require.Len(t, untils, 2)
-	require.True(t, untils[1].After(untils[0]), "each phase extends the lease")
+	require.Len(t, untils, 3)
+	require.True(t, untils[1].After(untils[0]), "each commit extends the lease")
+	require.Equal(t, untils[1], untils[2], "the lease a commit just set is not checked again before a foreign call")
+
+	// An attempt that took the key over checks it (and its age) before
+	// calling out.
+	fail.Store(true)
+	_, err = e.runner.RunWorkflow(ctx, rideKey("k2"), wf)
+	require.ErrorIs(t, err, errInjected)
+	fail.Store(false)
+	untils = nil
+	_, err = e.runner.RunWorkflow(ctx, rideKey("k2"), wf)
+	require.NoError(t, err)
+	require.Len(t, untils, 3)
+	require.Equal(t, untils[0], untils[1], "the stored phases did not run again")
+	require.True(t, untils[2].After(untils[1]), "the lease was extended before the call")
 }
 
 func TestSerializationFailureRetriesOnlyTheFailingPhase(t *testing.T) {
@@ -309,7 +338,8 @@ func TestPhaseMisuseIsReportedAndTransient(t *testing.T) {
 		require.NoError(t, e.reg.Register(wf))
 		_, err := e.runner.RunWorkflow(ctx, rideKey(wf.Name()), wf)
 		require.ErrorIs(t, err, txn.ErrInvalidUse, name)
-		require.False(t, readKey(t, e.Pool, "user_1", wf.Name()).LeaseHeld, name)
+		require.Zero(t, e.Count(t, `SELECT count(*) FROM idempotency_keys WHERE key = $1 AND lease_token IS NOT NULL`, wf.Name()),
+			"%s: the key is not held (a misuse before the first commit leaves no key at all)", name)
 	}
 }
 
@@ -360,6 +390,13 @@ func TestForeignPhaseOfKeyOlderThanMaxAgeDoesNotCallOut(t *testing.T) {
 	e := newEnv(t, nil)
 	ctx := ctxT(t)
 	f := newRideFlow(t, e.reg, "ride")
+	// A first attempt is younger than MaxAge by its own clock; an attempt
+	// that took the key over asks the database. The key passes MaxAge
+	// while that attempt runs.
+	f.failAt.Store("after_p1")
+	_, err := e.runner.RunWorkflow(ctx, rideKey("k1"), f.wf)
+	require.ErrorIs(t, err, errInjected)
+	f.failAt.Store("")
 	f.hook = func(point string, _ *txn.Attempt) {
 		if point == "after_p1" {
 			e.age(t, "k1", 12*time.Hour+time.Second)
@@ -494,4 +531,43 @@ func TestAttemptStopsWhenAPhaseItCommittedIsLost(t *testing.T) {
 	var results []byte
 	require.NoError(t, e.Pool.QueryRow(ctx, `SELECT phase_results_raw FROM idempotency_keys`).Scan(&results))
 	require.Contains(t, string(results), `"first":2`)
+}
+
+// A first attempt that has run for more than half its lease, or half of
+// MaxAge, asks the database before calling out, as any other attempt does:
+// here the key passes MaxAge while the first phase's attempt waits, so the
+// call is not made and the key is failed.
+func TestFirstAttemptPastHalfItsLeaseOrMaxAgeChecksBeforeCallingOut(t *testing.T) {
+	t.Parallel()
+	t.Run("half_the_lease", func(t *testing.T) {
+		t.Parallel()
+		e := newEnv(t, &txn.Config{LeaseDuration: time.Second})
+		writes := keyWrites(t, e)
+		f := newRideFlow(t, e.reg, "ride")
+		f.hook = func(point string, _ *txn.Attempt) {
+			if point == "after_p1" {
+				time.Sleep(600 * time.Millisecond)
+			}
+		}
+		resp, err := e.runner.RunWorkflow(ctxT(t), rideKey("k1"), f.wf)
+		require.NoError(t, err)
+		require.Equal(t, 201, resp.Status)
+		require.Equal(t, 3, writes(), "the first phase, the lease extension, the final phase")
+	})
+	t.Run("half_max_age", func(t *testing.T) {
+		t.Parallel()
+		e := newEnv(t, &txn.Config{MaxAge: time.Second})
+		f := newRideFlow(t, e.reg, "ride")
+		f.hook = func(point string, _ *txn.Attempt) {
+			if point == "after_p1" {
+				time.Sleep(1100 * time.Millisecond)
+			}
+		}
+		resp, err := e.runner.RunWorkflow(ctxT(t), rideKey("k1"), f.wf)
+		require.NoError(t, err)
+		require.Equal(t, http.StatusInternalServerError, resp.Status, string(resp.Body))
+		require.Contains(t, string(resp.Body), `"reason":"max_age"`)
+		require.Zero(t, f.prov.calls.Load(), "the provider was not called")
+		require.Equal(t, "max_age", e.failureReason(t, "k1"))
+	})
 }

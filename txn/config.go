@@ -49,7 +49,8 @@ type Config struct {
 	HitLogLevel slog.Level
 
 	// LeaseDuration is how long an attempt holds a workflow key before
-	// another attempt may take it over; each committed phase extends it.
+	// another attempt may take it over; each commit of the attempt extends
+	// it, and so does a Foreign phase once half of it has passed since.
 	// Make it longer than the slowest phase, foreign calls included.
 	// Default: LeaseDurationDefault (90 seconds).
 	LeaseDuration time.Duration
@@ -93,8 +94,10 @@ type Config struct {
 	// clock) its operation may still be resumed. No attempt takes over a
 	// key older than this, whether a client retry, a WaitWhenInUse takeover
 	// or a Resume (the recovery Resumer's too), and no Foreign phase calls
-	// out for one: the statement that would have taken the key over, or
-	// extended its lease before the call, fails it instead, storing a 500
+	// out for one (a first attempt asks only once it has run for half of
+	// MaxAge: its key is younger than itself): the statement that would
+	// have taken the key over, or extended its lease before the call,
+	// fails it instead, storing a 500
 	// application/problem+json response with failure reason "max_age" that
 	// every later retry replays. So a foreign call is never repeated more
 	// than MaxAge after the key was created; keep it under MaxAgeLimit, the

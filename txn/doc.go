@@ -11,7 +11,9 @@
 // a foreign system (a payment provider) is a registered [Workflow] of
 // [Atomic] and [Foreign] phases ending in [Attempt.Finish], run with
 // [Runner.RunWorkflow] and resumed after a crash by [Runner.Resume] (which
-// the recovery package calls for stalled keys).
+// the recovery package calls for stalled keys). A workflow's first attempt
+// inserts its key with its first commit and records a foreign call's
+// result with the next one, so Atomic, Foreign and Finish commit twice.
 //
 // A running attempt holds the key's lease, a token with an expiry judged by
 // the database clock; every phase commit checks the token (fencing), so an

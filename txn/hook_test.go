@@ -60,19 +60,61 @@ func TestHookReportsEachCommitFromBothSidesAndEachForeignCall(t *testing.T) {
 	ev := func(p txnhook.Point, c txnhook.Commit, phase, fk, state string) seenAt {
 		return seenAt{txnhook.Event{Point: p, Commit: c, Phase: phase, Attempt: 1, ForeignKey: fk}, state}
 	}
+	// Two commits: the key goes in with the first phase, and the foreign
+	// result with the final one.
 	require.Equal(t, []seenAt{
-		ev(txnhook.BeforeCommit, txnhook.CommitKey, "", "", ""),
-		ev(txnhook.AfterCommit, txnhook.CommitKey, "", "", "started running"),
-		ev(txnhook.BeforeCommit, txnhook.CommitPhase, "reserved", "", "started running"),
+		ev(txnhook.BeforeCommit, txnhook.CommitPhase, "reserved", "", ""),
 		ev(txnhook.AfterCommit, txnhook.CommitPhase, "reserved", "", "reserved running"),
 		ev(txnhook.BeforeCall, 0, "charged", given, "reserved running"),
 		ev(txnhook.AfterCall, 0, "charged", given, "reserved running"),
-		ev(txnhook.BeforeCommit, txnhook.CommitPhase, "charged", "", "reserved running"),
-		ev(txnhook.AfterCommit, txnhook.CommitPhase, "charged", "", "charged running"),
-		ev(txnhook.BeforeCommit, txnhook.CommitResponse, "", "", "charged running"),
+		ev(txnhook.BeforeCommit, txnhook.CommitResponse, "", "", "reserved running"),
 		ev(txnhook.AfterCommit, txnhook.CommitResponse, "", "", "finished finished"),
 	}, *seen)
 	require.NotEmpty(t, given)
+	require.Equal(t, `{"reserved":1,"charged":"ch_1"}`, storedResults(t, e, "hooked-1"))
+}
+
+// storedResults returns a key's stored phase results, as their bytes.
+func storedResults(t *testing.T, e *env, key string) string {
+	t.Helper()
+	var raw []byte
+	require.NoError(t, e.Pool.QueryRow(context.Background(),
+		`SELECT phase_results_raw FROM idempotency_keys WHERE key = $1`, key).Scan(&raw))
+	return string(raw)
+}
+
+// A Foreign phase that comes first must hold the lease before it calls
+// out: the key commits on its own first.
+func TestHookReportsTheKeysOwnCommitBeforeAForeignPhaseThatComesFirst(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	seen := watch(t, e)
+	var given string
+	wf := txn.NewWorkflow("charge_first", func(ctx context.Context, a *txn.Attempt) (txn.Response, error) {
+		if _, err := txn.Foreign(ctx, a, "charged", func(ctx context.Context, fk string) (string, error) {
+			given = fk
+			return "ch_1", nil
+		}); err != nil {
+			return txn.Response{}, err
+		}
+		return a.Finish(ctx, func(ctx context.Context, tx pgx.Tx) (txn.Response, error) { return txn.JSON(201, "ok") })
+	})
+	require.NoError(t, e.reg.Register(wf))
+	_, err := e.runner.RunWorkflow(ctxT(t), chargeKey("first-1", 1), wf)
+	require.NoError(t, err)
+
+	ev := func(p txnhook.Point, c txnhook.Commit, phase, fk, state string) seenAt {
+		return seenAt{txnhook.Event{Point: p, Commit: c, Phase: phase, Attempt: 1, ForeignKey: fk}, state}
+	}
+	require.Equal(t, []seenAt{
+		ev(txnhook.BeforeCommit, txnhook.CommitKey, "", "", ""),
+		ev(txnhook.AfterCommit, txnhook.CommitKey, "", "", "started running"),
+		ev(txnhook.BeforeCall, 0, "charged", given, "started running"),
+		ev(txnhook.AfterCall, 0, "charged", given, "started running"),
+		ev(txnhook.BeforeCommit, txnhook.CommitResponse, "", "", "started running"),
+		ev(txnhook.AfterCommit, txnhook.CommitResponse, "", "", "finished finished"),
+	}, *seen)
+	require.Equal(t, `{"charged":"ch_1"}`, storedResults(t, e, "first-1"))
 }
 
 // A terminal response returned without Finish (a declined card) commits on

@@ -238,8 +238,15 @@ func (r *Runner) logNotStored(ctx context.Context, req request, workflow string,
 // inTx runs fn in a SERIALIZABLE transaction, retrying the whole transaction
 // on serialization failures and deadlocks with jittered exponential backoff.
 func (r *Runner) inTx(ctx context.Context, fn func(tx pgx.Tx) error) error {
+	return r.retryTx(ctx, func() error { return r.txOnce(ctx, fn) })
+}
+
+// retryTx runs once, a whole transaction, again after serialization failures
+// and deadlocks, with jittered exponential backoff, up to Config.MaxRetries
+// times (then ErrConflict).
+func (r *Runner) retryTx(ctx context.Context, once func() error) error {
 	for tries := 0; ; tries++ {
-		err := r.txOnce(ctx, fn)
+		err := once()
 		if err == nil || !pgerr.IsRetryable(err) {
 			return err
 		}

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"time"
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
@@ -16,7 +17,6 @@ import (
 	"github.com/atomicphase/atomicphase/internal/pgerr"
 	"github.com/atomicphase/atomicphase/internal/telemetry"
 	"github.com/atomicphase/atomicphase/internal/txnbridge"
-	"github.com/atomicphase/atomicphase/internal/txnhook"
 )
 
 // RunWorkflow runs wf under key. A new key is inserted holding a lease; a
@@ -59,11 +59,13 @@ func (r *Runner) runWorkflow(ctx context.Context, key Key, wf *Workflow) (Respon
 	if err != nil {
 		return Response{}, fmt.Errorf("txn: run workflow %q: %w", wf.name, err)
 	}
+	raced := false // the last attempt lost the key's insert to a concurrent one
 	for {
 		if err := ctx.Err(); err != nil {
 			return Response{}, fmt.Errorf("txn: run workflow %q: %w", wf.name, err)
 		}
-		a, resp, err := r.acquire(ctx, req, wf.name)
+		a, resp, err := r.acquire(ctx, req, wf.name, raced)
+		raced = false
 		if errors.Is(err, errWait) {
 			continue
 		}
@@ -75,86 +77,44 @@ func (r *Runner) runWorkflow(ctx context.Context, key Key, wf *Workflow) (Respon
 			return resp, nil
 		}
 		noteAttempt(ctx, a.number)
-		return r.execute(ctx, a, wf)
+		resp, err = r.execute(ctx, a, wf)
+		if errors.Is(err, errRaced) {
+			// Another attempt inserted the key first: committed (the next
+			// lookup sees it) or still in flight.
+			raced = true
+			continue
+		}
+		return resp, err
 	}
 }
 
-// acquire returns an Attempt holding the key's lease, or the stored
-// response (replayed, or the failure stored because the key is too old), or
-// an error (errWait: look again).
-func (r *Runner) acquire(ctx context.Context, req request, workflow string) (*Attempt, Response, error) {
-	row, err := r.q.LookupKey(ctx, db.LookupKeyParams{Scope: req.key.Scope, Key: req.key.Value})
-	if errors.Is(err, pgx.ErrNoRows) {
-		token := uuid.New()
-		var ins db.InsertKeyRow
-		r.at(txnhook.BeforeCommit, txnhook.CommitKey, "", 1, "")
-		ins, err = r.q.InsertKey(ctx, db.InsertKeyParams{
-			Scope: req.key.Scope, Key: req.key.Value, Fingerprint: req.fingerprint,
-			RequestMethod: req.key.Method, RequestPath: req.key.Path, RequestParams: req.params,
-			Workflow: workflow, LeaseToken: token, LeaseSeconds: r.cfg.LeaseDuration.Seconds(),
-			RejectExpired: r.cfg.ExpiredKeyPolicy == ExpiredKeyReject,
-		})
-		switch {
-		case errors.Is(err, pgx.ErrNoRows):
-			// Inserted concurrently: committed (look again) or in flight.
-			row, err = r.q.LookupKey(ctx, db.LookupKeyParams{Scope: req.key.Scope, Key: req.key.Value})
-			if errors.Is(err, pgx.ErrNoRows) {
-				return nil, Response{}, r.heldByOther(ctx, req, statusRunning, pointStarted, 0)
-			}
-		case err != nil:
-			if !pgerr.IsServerRejection(err) {
-				// The insert may have committed unseen, holding the key
-				// for a whole lease: remove it, so that a retry runs.
-				err = errors.Join(err, cleanupFailed(r.removeUnseenInsert(ctx, req, token)))
-			}
-			return nil, Response{}, fmt.Errorf("insert key: %w", r.keyExpired(ctx, req, workflow, err))
-		default:
-			if ins.ReusedExpired {
-				r.noteExpiredReuse(ctx, req, workflow)
-			}
-			r.at(txnhook.AfterCommit, txnhook.CommitKey, "", 1, "")
-			return r.newAttempt(req, workflow, ins.ID, ins.ForeignKeySeed, ins.Ctid, token, 1, pointStarted, nil, nil)
-		}
-	}
+// acquire returns an Attempt holding the key's lease, or, for a new key,
+// one that inserts it with its first commit (Attempt.stored is false); or
+// the stored response (replayed, or the failure stored because the key is
+// too old); or an error (errWait: look again). raced says the caller's
+// last attempt lost the key's insert: a key still missing is then being
+// inserted by another attempt's uncommitted transaction.
+func (r *Runner) acquire(ctx context.Context, req request, workflow string, raced bool) (*Attempt, Response, error) {
+	row, err := r.q.LookupWorkflowKey(ctx, db.LookupWorkflowKeyParams{Scope: req.key.Scope, Key: req.key.Value})
 	if err != nil {
 		return nil, Response{}, fmt.Errorf("look up key: %w", err)
 	}
-	resp, err := r.existing(ctx, req, workflow, row)
+	if !row.ID.Valid {
+		if raced {
+			return nil, Response{}, r.heldByOther(ctx, req, statusRunning, pointStarted, 0)
+		}
+		return r.newAttempt(req, workflow, 0, pgtype.Int8{Int64: row.Seed, Valid: true}, pgtype.TID{}, uuid.New(), 1, pointStarted, nil, nil)
+	}
+	resp, err := r.existing(ctx, req, workflow, db.LookupKeyRow{
+		ID: row.ID.Int64, Fingerprint: row.Fingerprint, Workflow: row.Workflow.String,
+		RecoveryPoint: row.RecoveryPoint.String, Status: row.Status.String,
+		LeaseLive: row.LeaseLive, LeaseRemainingSeconds: row.LeaseRemainingSeconds, Attempts: row.Attempts.Int32,
+		ResponseStatus: row.ResponseStatus, ResponseHeaders: row.ResponseHeaders, ResponseBody: row.ResponseBody,
+	})
 	if !errors.Is(err, errResumable) {
 		return nil, resp, err
 	}
-	return r.takeOver(ctx, req, workflow, row.ID)
-}
-
-// removeUnseenInsert deletes the key this attempt's insert may have created
-// although the caller saw an error (the connection failed around its
-// commit), on a fresh context bounded by Config.ReleaseTimeout. Nothing ran
-// under it. It first waits on the key's advisory lock, which the insert's
-// transaction holds until it ends, so that an insert still committing on
-// the server is seen (read committed: the DELETE's snapshot follows the
-// lock). It returns an error only if the removal failed.
-func (r *Runner) removeUnseenInsert(ctx context.Context, req request, token uuid.UUID) error {
-	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.ReleaseTimeout)
-	defer cancel()
-	err := pgx.BeginTxFunc(rctx, r.pool, pgx.TxOptions{IsoLevel: pgx.ReadCommitted}, func(tx pgx.Tx) error {
-		q := r.q.WithTx(tx)
-		if err := q.LockKey(rctx, db.LockKeyParams{Scope: req.key.Scope, Key: req.key.Value}); err != nil {
-			return err
-		}
-		n, err := q.DeleteUnstartedKey(rctx, db.DeleteUnstartedKeyParams{
-			Scope: req.key.Scope, Key: req.key.Value, LeaseToken: token,
-		})
-		if n == 1 {
-			r.released.Add(1)
-			r.tel.Released(ctx, workflowOf(ctx))
-		}
-		return err
-	})
-	if err != nil {
-		return fmt.Errorf("remove the key the insert may have created (it becomes free when its lease of %v expires): %w",
-			r.cfg.LeaseDuration, err)
-	}
-	return nil
+	return r.takeOver(ctx, req, workflow, row.ID.Int64)
 }
 
 // takeOver takes over a key whose lease is free or expired, or fails it if
@@ -162,6 +122,7 @@ func (r *Runner) removeUnseenInsert(ctx context.Context, req request, token uuid
 // nil Attempt. errWait: another attempt took it first.
 func (r *Runner) takeOver(ctx context.Context, req request, workflow string, id int64) (*Attempt, Response, error) {
 	token := uuid.New()
+	sent := time.Now()
 	taken, err := r.q.TakeOverKey(ctx, db.TakeOverKeyParams{
 		ID: id, LeaseToken: token, LeaseSeconds: r.cfg.LeaseDuration.Seconds(),
 		MaxAgeSeconds: r.cfg.MaxAge.Seconds(), FailureStatus: failure.Status,
@@ -187,8 +148,12 @@ func (r *Runner) takeOver(ctx context.Context, req request, workflow string, id 
 		r.noteTooOld(ctx, req, workflow)
 		return nil, resp, nil
 	}
-	return r.newAttempt(req, workflow, id, taken.ForeignKeySeed, taken.Ctid, token, int(taken.Attempts), taken.RecoveryPoint,
+	a, resp, err := r.newAttempt(req, workflow, id, taken.ForeignKeySeed, taken.Ctid, token, int(taken.Attempts), taken.RecoveryPoint,
 		taken.PhaseResults, taken.PhaseResultsRaw)
+	if a != nil {
+		a.leaseAt = sent
+	}
+	return a, resp, err
 }
 
 // noteTooOld counts and logs a key failed because it is older than MaxAge.
@@ -222,14 +187,16 @@ func (r *Runner) noteExpiredReuse(ctx context.Context, req request, workflow str
 		"scope", req.key.Scope, "key", req.key.Value, "workflow", workflow)
 }
 
-// newAttempt starts an attempt holding the key's lease. The committed
-// phases' results are read from jsonb (rows written before results were
-// stored as bytes), then from the exact bytes, which win.
+// newAttempt starts an attempt holding the key's lease, or for a new key
+// (id 0), one that inserts it with its first commit. The committed phases'
+// results are read from jsonb (rows written before results were stored as
+// bytes), then from the exact bytes, which win.
 func (r *Runner) newAttempt(req request, workflow string, id int64, seed pgtype.Int8, tid pgtype.TID, token uuid.UUID, number int,
 	point string, legacyResults, rawResults []byte) (*Attempt, Response, error) {
 	a := &Attempt{
 		r: r, req: req, workflow: workflow, id: id, seed: seed, tid: tid, token: token, number: number,
 		start: point, point: point, results: map[string]json.RawMessage{}, seen: map[string]bool{},
+		stored: id != 0, began: time.Now(),
 	}
 	for _, results := range [][]byte{legacyResults, rawResults} {
 		if len(results) == 0 {
@@ -245,12 +212,18 @@ func (r *Runner) newAttempt(req request, workflow string, id int64, seed pgtype.
 	return a, Response{}, nil
 }
 
-// execute runs the workflow function with a held lease and settles the key:
-// terminal response stored (or, for an unstored rejection before anything
-// took effect, the key removed), or lease released for a later resume.
+// execute runs the workflow function with a held lease (or a key to
+// insert with its first commit) and settles the key: terminal response
+// stored (or, for an unstored rejection before anything took effect, no key
+// left), or lease released for a later resume. errRaced: the attempt lost
+// the key's insert to a concurrent one; look again.
 func (r *Runner) execute(ctx context.Context, a *Attempt, wf *Workflow) (Response, error) {
 	resp, err := guard(func() (Response, error) { return wf.fn(ctx, a) })
 	switch {
+	case a.raced:
+		// Whatever the workflow made of the phase's error: nothing of this
+		// attempt is stored, and the key is someone else's.
+		return Response{}, errRaced
 	case a.tooOld != nil:
 		// A Foreign phase found the key past MaxAge and failed it instead of
 		// calling out: that stored failure is the answer.
@@ -265,31 +238,17 @@ func (r *Runner) execute(ctx context.Context, a *Attempt, wf *Workflow) (Respons
 		err = resp.validate()
 	}
 	if err == nil && !r.cfg.Store(resp.Status) && a.unstarted() {
-		// A rejection before anything took effect: leave no key. On a
-		// fresh context, like a release: the key is settled either way.
-		dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.ReleaseTimeout)
-		n, derr := r.q.DeleteUnstartedKey(dctx, db.DeleteUnstartedKeyParams{
-			Scope: a.req.key.Scope, Key: a.req.key.Value, LeaseToken: a.token,
-		})
-		cancel()
-		switch {
-		case derr != nil:
-			err = fmt.Errorf("txn: run workflow %q: remove the key of an unstored response: %w", wf.name, derr)
-		case n == 0:
-			err = fmt.Errorf("txn: run workflow %q: remove the key of an unstored response: %w", wf.name, ErrLeaseLost)
-		default:
+		if err = a.removeUnstarted(ctx); err == nil {
 			r.logNotStored(ctx, a.req, wf.name, resp.Status)
 			resp.Replayed = false
 			return resp, nil
 		}
+		err = fmt.Errorf("txn: run workflow %q: remove the key of an unstored response: %w", wf.name, err)
 	} else if err == nil {
 		// A terminal response returned without Finish (e.g. 402 after a
 		// declined charge): store it, fenced, where the workflow stopped.
-		a.at(txnhook.BeforeCommit, txnhook.CommitResponse, a.point, "")
-		if err = a.store(ctx, r.q, resp, a.point); err != nil {
+		if err = a.storeTerminal(ctx, resp); err != nil {
 			err = fmt.Errorf("txn: run workflow %q: %w", wf.name, err)
-		} else {
-			a.at(txnhook.AfterCommit, txnhook.CommitResponse, a.point, "")
 		}
 	}
 	if err != nil {
@@ -299,7 +258,10 @@ func (r *Runner) execute(ctx context.Context, a *Attempt, wf *Workflow) (Respons
 		}
 		if !errors.Is(err, ErrLeaseLost) || errors.Is(err, errLostCommit) {
 			// The lease is this attempt's (after a lost commit, too).
-			releaseErr = r.release(ctx, a)
+			releaseErr = a.release(ctx, !errors.Is(err, errLostCommit))
+		}
+		if a.raced {
+			return Response{}, errRaced // storing the response lost the insert
 		}
 		r.logFailure(ctx, a.req, wf.name, err, releaseErr)
 		return Response{}, err
@@ -309,17 +271,54 @@ func (r *Runner) execute(ctx context.Context, a *Attempt, wf *Workflow) (Respons
 	return resp, nil
 }
 
-// release frees the lease after a transient error, on a fresh context. An
-// error means the key stays held until its lease expires (then a retry or
-// recovery takes it).
-func (r *Runner) release(ctx context.Context, a *Attempt) error {
-	return r.releaseToken(ctx, a.id, a.token)
+// removeUnstarted leaves no key for a response Config.Store does not store,
+// given before anything took effect. A key this attempt never inserted is
+// not there; one it inserted is deleted on a fresh context, like a release:
+// the key is settled either way.
+func (a *Attempt) removeUnstarted(ctx context.Context) error {
+	if !a.stored {
+		// A failed first commit may have committed unseen (its lease then
+		// expires, and the phase it holds resumes): give the lease back.
+		return a.release(ctx, false)
+	}
+	dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), a.r.cfg.ReleaseTimeout)
+	defer cancel()
+	n, err := a.r.q.DeleteUnstartedKey(dctx, db.DeleteUnstartedKeyParams{
+		Scope: a.req.key.Scope, Key: a.req.key.Value, LeaseToken: a.token,
+	})
+	switch {
+	case err != nil:
+		return err
+	case n == 0:
+		return ErrLeaseLost
+	}
+	return nil
+}
+
+// release frees the lease after a transient error, on a fresh context,
+// recording the results of foreign calls not committed yet if withPending.
+// An error means the key stays held until its lease expires (then a retry
+// or recovery takes it). A key this attempt never tried to insert has
+// nothing to release.
+func (a *Attempt) release(ctx context.Context, withPending bool) error {
+	if a.id == 0 {
+		return nil
+	}
+	p := db.ReleaseKeyParams{ID: a.id, LeaseToken: a.nullToken()}
+	if withPending {
+		p.Member, p.Phase = a.pending, a.pendingPoint
+	}
+	return a.r.releaseKey(ctx, p)
 }
 
 func (r *Runner) releaseToken(ctx context.Context, id int64, token uuid.UUID) error {
+	return r.releaseKey(ctx, db.ReleaseKeyParams{ID: id, LeaseToken: uuid.NullUUID{UUID: token, Valid: true}})
+}
+
+func (r *Runner) releaseKey(ctx context.Context, p db.ReleaseKeyParams) error {
 	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.ReleaseTimeout)
 	defer cancel()
-	n, err := r.q.ReleaseKey(rctx, db.ReleaseKeyParams{ID: id, LeaseToken: uuid.NullUUID{UUID: token, Valid: true}})
+	n, err := r.q.ReleaseKey(rctx, p)
 	if err != nil {
 		return fmt.Errorf("release key: %w", err)
 	}

@@ -12,6 +12,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/atomicphase/atomicphase/txn"
@@ -496,7 +497,10 @@ func TestRejectionByAnAttemptThatTookTheKeyOverIsStored(t *testing.T) {
 	var runs atomic.Int64
 	wf := txn.NewWorkflow("flaky_then_rejects", func(ctx context.Context, a *txn.Attempt) (txn.Response, error) {
 		if runs.Add(1) == 1 {
-			return txn.Response{}, errInjected
+			// A call that may have reached the provider: a later attempt
+			// cannot know that nothing took effect.
+			_, err := txn.Foreign(ctx, a, "call", func(context.Context, string) (int, error) { return 0, errInjected })
+			return txn.Response{}, err
 		}
 		return txn.Response{Status: 418}, nil
 	})
@@ -768,6 +772,30 @@ func TestKeyStoredBeforeLosslessColumnsStillResumes(t *testing.T) {
 // caller gets ErrUnavailable (503, retry later), not an error that looks
 // like its own context's deadline (which the removal's was). The key is
 // free once its lease expires.
+// chargeFirst registers a workflow whose first phase is a foreign call, so
+// that its key is inserted on its own (autocommit) before the call; runs
+// counts the workflow's runs that got past the key's insert.
+func chargeFirst(t *testing.T, e *env, prov *provider, runs *atomic.Int64) *txn.Workflow {
+	t.Helper()
+	wf := txn.NewWorkflow("charge_first", func(ctx context.Context, a *txn.Attempt) (txn.Response, error) {
+		charge, err := txn.Foreign(ctx, a, "charged", func(ctx context.Context, fk string) (string, error) {
+			runs.Add(1)
+			return prov.charge(fk), nil
+		})
+		if err != nil {
+			return txn.Response{}, err
+		}
+		return a.Finish(ctx, func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+			if _, err := tx.Exec(ctx, `INSERT INTO charges (ref, amount) VALUES ($1, 1)`, charge); err != nil {
+				return txn.Response{}, err
+			}
+			return txn.JSON(201, charge)
+		})
+	})
+	require.NoError(t, e.reg.Register(wf))
+	return wf
+}
+
 func TestInsertCutAndRemovalTimedOutIsUnavailable(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, nil)
@@ -775,28 +803,29 @@ func TestInsertCutAndRemovalTimedOutIsUnavailable(t *testing.T) {
 	proxy, pool := e.NewProxy(t)
 	r, err := txn.New(pool, &txn.Config{Workflows: e.reg, LeaseDuration: time.Second, ReleaseTimeout: 100 * time.Millisecond})
 	require.NoError(t, err)
-	f := newRideFlow(t, e.reg, "ride")
+	var runs atomic.Int64
+	wf := chargeFirst(t, e, newProvider(), &runs)
 	require.NoError(t, pool.Ping(ctx)) // a connection in the pool before the latency
 
 	proxy.SetLatency(300 * time.Millisecond) // slower than ReleaseTimeout: the removal times out
 	proxy.CutAfterNextStatement("INSERT 0 1")
-	_, err = r.RunWorkflow(ctx, rideKey("k1"), f.wf)
+	_, err = r.RunWorkflow(ctx, rideKey("k1"), wf)
 	require.Error(t, err)
 	require.ErrorIs(t, err, txn.ErrUnavailable, "%v", err)
 	require.NotErrorIs(t, err, context.DeadlineExceeded, "the caller's context did not end")
 	require.Equal(t, 503, txn.HTTPStatus(err))
-	require.Zero(t, f.p1.Load(), "nothing ran")
+	require.Zero(t, runs.Load(), "nothing ran")
 
 	proxy.SetLatency(0)
 	time.Sleep(1100 * time.Millisecond) // the insert's lease expires
-	resp, err := r.RunWorkflow(ctx, rideKey("k1"), f.wf)
+	resp, err := r.RunWorkflow(ctx, rideKey("k1"), wf)
 	require.NoError(t, err)
 	require.Equal(t, 201, resp.Status)
 }
 
-// A workflow key's insert that commits while the caller sees an error (the
-// connection is cut right after the commit) does not hold the key for a
-// whole lease: the attempt removes it, so the client's retry runs at once.
+// A workflow key's own insert (before a Foreign phase that comes first)
+// that commits while the caller sees an error (the connection is cut right
+// after the commit) does not hold the key for a whole lease: the attempt removes it, so the client's retry runs at once.
 func TestAmbiguousKeyInsertDoesNotHoldTheKeyForALease(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, nil) // a 90 s lease
@@ -804,22 +833,202 @@ func TestAmbiguousKeyInsertDoesNotHoldTheKeyForALease(t *testing.T) {
 	proxy, pool := e.NewProxy(t)
 	r, err := txn.New(pool, &txn.Config{Workflows: e.reg})
 	require.NoError(t, err)
-	f := newRideFlow(t, e.reg, "ride")
+	prov := newProvider()
+	var runs atomic.Int64
+	wf := chargeFirst(t, e, prov, &runs)
 
 	proxy.CutAfterNextStatement("INSERT 0 1")
-	_, err = r.RunWorkflow(ctx, rideKey("k1"), f.wf)
+	_, err = r.RunWorkflow(ctx, rideKey("k1"), wf)
 	require.Error(t, err, "the caller sees the insert fail")
 	select {
 	case <-proxy.CommitCut():
 	default:
 		t.Fatal("the insert's answer was not cut")
 	}
-	require.Zero(t, f.p1.Load(), "nothing ran")
+	require.Zero(t, runs.Load(), "nothing ran")
 	require.Zero(t, e.Count(t, `SELECT count(*) FROM idempotency_keys`), "the committed insert was removed")
 
-	resp, err := r.RunWorkflow(ctx, rideKey("k1"), f.wf)
+	resp, err := r.RunWorkflow(ctx, rideKey("k1"), wf)
 	require.NoError(t, err, "the retry is not answered ErrKeyInUse")
 	require.Equal(t, 201, resp.Status)
-	require.Equal(t, int64(1), f.p1.Load())
-	require.Equal(t, 1, f.prov.distinct())
+	require.Equal(t, int64(1), runs.Load())
+	require.Equal(t, 1, prov.distinct())
+}
+
+// keyWrites counts, by a trigger, the transactions that write the key rows
+// of e's schema: each is a commit the operation pays for.
+func keyWrites(t *testing.T, e *env) func() int {
+	t.Helper()
+	_, err := e.Pool.Exec(context.Background(), `
+		CREATE TABLE key_writes (xid xid8 NOT NULL);
+		CREATE FUNCTION note_key_write() RETURNS trigger LANGUAGE plpgsql AS $$
+		BEGIN INSERT INTO key_writes VALUES (pg_current_xact_id()); RETURN NULL; END $$;
+		CREATE TRIGGER note_key_write AFTER INSERT OR UPDATE ON idempotency_keys
+			FOR EACH ROW EXECUTE FUNCTION note_key_write();`)
+	require.NoError(t, err)
+	return func() int { return e.Count(t, `SELECT count(DISTINCT xid) FROM key_writes`) }
+}
+
+// Atomic → Foreign → Finish commits twice on its first attempt: the key
+// with the first phase, the foreign result with the final phase; no commit
+// of its own for the key, the lease check or the foreign result.
+func TestWorkflowFirstAttemptCommitsTwice(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	writes := keyWrites(t, e)
+	r, qc := e.countingRunner(t, nil)
+	f := newRideFlow(t, e.reg, "ride")
+
+	resp, err := r.RunWorkflow(ctx, rideKey("k1"), f.wf)
+	require.NoError(t, err)
+	require.Equal(t, 201, resp.Status)
+	require.Equal(t, 2, writes(), "transactions that wrote the key")
+	require.Equal(t, int64(1), f.prov.calls.Load())
+	k := readKey(t, e.Pool, "user_1", "k1")
+	require.Equal(t, "finished", k.Status)
+	require.False(t, k.LeaseHeld)
+	require.Equal(t, `{"ride_created":{"id":1,"amount":1250},"charge_created":"ch_1"}`, storedResults(t, e, "k1"))
+	// The read; BEGIN with the key insert; the phase's insert; the phase
+	// record; COMMIT; BEGIN; the final phase's insert; the response;
+	// COMMIT.
+	require.LessOrEqual(t, qc.n.Load(), int64(9), "round trips")
+
+	before := qc.n.Load()
+	again, err := r.RunWorkflow(ctx, rideKey("k1"), f.wf)
+	require.NoError(t, err)
+	require.True(t, again.Replayed)
+	require.Equal(t, int64(1), qc.n.Load()-before, "a replay is one round trip")
+	require.Equal(t, 2, writes())
+}
+
+// A workflow that fails before its first commit leaves no key: nothing
+// took effect, and the retry runs it as new.
+func TestWorkflowErrorBeforeItsFirstCommitLeavesNoKey(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	var runs atomic.Int64
+	wf := txn.NewWorkflow("fails_first", func(ctx context.Context, a *txn.Attempt) (txn.Response, error) {
+		if runs.Add(1) == 1 {
+			return txn.Response{}, errInjected
+		}
+		return a.Finish(ctx, func(ctx context.Context, tx pgx.Tx) (txn.Response, error) { return txn.JSON(201, "ok") })
+	})
+	require.NoError(t, e.reg.Register(wf))
+	_, err := e.runner.RunWorkflow(ctx, rideKey("k1"), wf)
+	require.ErrorIs(t, err, errInjected)
+	require.Zero(t, e.Count(t, `SELECT count(*) FROM idempotency_keys`))
+	resp, err := e.runner.RunWorkflow(ctx, rideKey("k1"), wf)
+	require.NoError(t, err)
+	require.Equal(t, 201, resp.Status)
+	require.Equal(t, 1, readKey(t, e.Pool, "user_1", "k1").Attempts, "the retry was a first attempt")
+}
+
+// While a first attempt's first phase (which inserts the key) is open, a
+// concurrent attempt on the key gets ErrKeyInUse at once, runs nothing, and
+// in wait mode replays the first attempt's response once it finishes.
+func TestTwinOfAnUncommittedFirstPhaseIsKeyInUseOrWaits(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	inPhase, release := make(chan struct{}), make(chan struct{})
+	var held atomic.Bool
+	wf := txn.NewWorkflow("slow_first_phase", func(ctx context.Context, a *txn.Attempt) (txn.Response, error) {
+		if _, err := txn.Atomic(ctx, a, "reserved", func(ctx context.Context, tx pgx.Tx) (int, error) {
+			if held.CompareAndSwap(false, true) {
+				close(inPhase)
+				<-release
+			}
+			_, err := tx.Exec(ctx, `INSERT INTO charges (ref, amount) VALUES ('reserved', 1)`)
+			return 1, err
+		}); err != nil {
+			return txn.Response{}, err
+		}
+		return a.Finish(ctx, func(ctx context.Context, tx pgx.Tx) (txn.Response, error) { return txn.JSON(201, "done") })
+	})
+	require.NoError(t, e.reg.Register(wf))
+	first := make(chan error, 1)
+	go func() { _, err := e.runner.RunWorkflow(ctx, rideKey("k1"), wf); first <- err }()
+	<-inPhase
+
+	start := time.Now()
+	_, err := e.runner.RunWorkflow(ctx, rideKey("k1"), wf)
+	require.ErrorIs(t, err, txn.ErrKeyInUse)
+	require.Less(t, time.Since(start), 10*time.Second, "at once, not after the holder")
+
+	waiter, err := txn.New(e.Pool, &txn.Config{Workflows: e.reg, WaitWhenInUse: true, WaitPollInterval: 5 * time.Millisecond})
+	require.NoError(t, err)
+	waited := make(chan txn.Response, 1)
+	go func() {
+		resp, err := waiter.RunWorkflow(ctx, rideKey("k1"), wf)
+		assert.NoError(t, err)
+		waited <- resp
+	}()
+	time.Sleep(50 * time.Millisecond) // the waiter polls the uncommitted key
+	close(release)
+	require.NoError(t, <-first)
+	resp := <-waited
+	require.True(t, resp.Replayed)
+	require.Equal(t, 201, resp.Status)
+	require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM charges WHERE ref = 'reserved'`))
+}
+
+// A foreign call's result, not committed on its own any more, is recorded
+// by the release after a transient error, or by the failed attempt's next
+// commit: a retry does not call the provider again.
+func TestForeignResultIsRecordedByTheReleaseAfterAnError(t *testing.T) {
+	t.Parallel()
+	for _, at := range []string{"after_p2", "in_p3"} {
+		t.Run(at, func(t *testing.T) {
+			t.Parallel()
+			e := newEnv(t, nil)
+			ctx := ctxT(t)
+			f := newRideFlow(t, e.reg, "ride")
+			f.failAt.Store(at)
+			_, err := e.runner.RunWorkflow(ctx, rideKey("k1"), f.wf)
+			require.ErrorIs(t, err, errInjected)
+			k := readKey(t, e.Pool, "user_1", "k1")
+			require.Equal(t, "charge_created", k.RecoveryPoint)
+			require.False(t, k.LeaseHeld)
+
+			f.failAt.Store("")
+			resp, err := e.runner.RunWorkflow(ctx, rideKey("k1"), f.wf)
+			require.NoError(t, err)
+			require.Equal(t, 201, resp.Status)
+			require.Equal(t, int64(1), f.prov.calls.Load(), "the retry used the recorded result")
+		})
+	}
+}
+
+// The first commit of a workflow, which inserts its key with the first
+// phase's writes, may take effect while the caller sees an error: the
+// attempt releases the key it may have created, and the retry resumes
+// after the phase instead of running it again.
+func TestAmbiguousFirstCommitIsResumedNotRepeated(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil) // a 90 s lease: only a release lets the retry in at once
+	ctx := ctxT(t)
+	proxy, pool := e.NewProxy(t)
+	r, err := txn.New(pool, &txn.Config{Workflows: e.reg})
+	require.NoError(t, err)
+	f := newRideFlow(t, e.reg, "ride")
+
+	proxy.CutAfterNextCommit()
+	_, err = r.RunWorkflow(ctx, rideKey("k1"), f.wf)
+	require.Error(t, err, "the caller sees the commit fail")
+	select {
+	case <-proxy.CommitCut():
+	default:
+		t.Fatal("the commit's answer was not cut")
+	}
+	k := readKey(t, e.Pool, "user_1", "k1")
+	require.Equal(t, "ride_created", k.RecoveryPoint, "the first commit took effect")
+	require.False(t, k.LeaseHeld, "and the attempt released the key")
+
+	resp, err := r.RunWorkflow(ctx, rideKey("k1"), f.wf)
+	require.NoError(t, err)
+	require.Equal(t, 201, resp.Status)
+	require.Equal(t, int64(1), f.p1.Load(), "the first phase ran once")
+	require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM charges WHERE ref = 'ride'`))
 }

@@ -51,7 +51,7 @@ func run(args []string) int {
 	lease := fs.Duration("lease", 30*time.Second, "idempotency key lease")
 	stream := fs.String("stream", rides.StreamName, "JetStream stream for receipts")
 	prefix := fs.String("subject-prefix", "", "prefix of receipt subjects (prefix + ride.receipt)")
-	crashAfter := fs.String("crash-after-phase", "", "fault injection: SIGKILL this process after the named phase commits")
+	crashAfter := fs.String("crash-after-phase", "", "fault injection: SIGKILL this process after the named phase returns")
 	if err := fs.Parse(args); err != nil {
 		return 2
 	}

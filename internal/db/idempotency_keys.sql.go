@@ -41,9 +41,10 @@ type CommitPhaseParams struct {
 // a whole btree page shared with unrelated keys) and by id and lease token:
 // no row means the row moved (see LocateHeldKey) or the lease was lost.
 // Records a committed phase in the phase's own transaction: member is
-// `"name":result`, the JSON-encoded name and the result's exact bytes,
-// appended to the phase_results_raw object (kept as bytes: jsonb cannot hold
-// every result a foreign call returns). The lease is extended from
+// `"name":result`, the JSON-encoded name and the result's exact bytes
+// (preceded by the members of foreign calls made since the last commit,
+// comma-separated), appended to the phase_results_raw object (kept as
+// bytes: jsonb cannot hold every result a foreign call returns). The lease is extended from
 // clock_timestamp(), the time of this statement, so a phase that ran longer
 // than the lease still commits a live one.
 func (q *Queries) CommitPhase(ctx context.Context, arg CommitPhaseParams) (pgtype.TID, error) {
@@ -88,28 +89,36 @@ func (q *Queries) DeleteUnstartedKey(ctx context.Context, arg DeleteUnstartedKey
 
 const extendLease = `-- name: ExtendLease :one
 UPDATE idempotency_keys
-SET lease_token      = CASE WHEN created_at > now() - make_interval(secs => $1::float8)
+SET recovery_point = CASE WHEN coalesce(length($1::bytea), 0) = 0 THEN recovery_point ELSE $2::text END,
+    phase_results_raw = CASE WHEN coalesce(length($1::bytea), 0) = 0 THEN phase_results_raw
+                             WHEN phase_results_raw IS NULL OR length(phase_results_raw) <= 2
+                             THEN '{'::bytea || $1::bytea || '}'::bytea
+                             ELSE overlay(phase_results_raw PLACING ','::bytea || $1::bytea || '}'::bytea
+                                          FROM length(phase_results_raw) FOR 1) END,
+    lease_token      = CASE WHEN created_at > now() - make_interval(secs => $3::float8)
                             THEN lease_token END,
-    leased_until     = CASE WHEN created_at > now() - make_interval(secs => $1::float8)
-                            THEN clock_timestamp() + make_interval(secs => $2::float8) END,
-    status           = CASE WHEN created_at > now() - make_interval(secs => $1::float8)
+    leased_until     = CASE WHEN created_at > now() - make_interval(secs => $3::float8)
+                            THEN clock_timestamp() + make_interval(secs => $4::float8) END,
+    status           = CASE WHEN created_at > now() - make_interval(secs => $3::float8)
                             THEN 'running' ELSE 'failed' END,
-    failure_reason   = CASE WHEN created_at > now() - make_interval(secs => $1::float8)
+    failure_reason   = CASE WHEN created_at > now() - make_interval(secs => $3::float8)
                             THEN NULL ELSE 'max_age' END,
-    response_status  = CASE WHEN created_at > now() - make_interval(secs => $1::float8)
-                            THEN NULL ELSE $3::integer END,
-    response_headers = CASE WHEN created_at > now() - make_interval(secs => $1::float8)
-                            THEN NULL ELSE $4::text::jsonb END,
-    response_body    = CASE WHEN created_at > now() - make_interval(secs => $1::float8)
-                            THEN NULL ELSE $5::bytea END,
-    finished_at      = CASE WHEN created_at > now() - make_interval(secs => $1::float8)
+    response_status  = CASE WHEN created_at > now() - make_interval(secs => $3::float8)
+                            THEN NULL ELSE $5::integer END,
+    response_headers = CASE WHEN created_at > now() - make_interval(secs => $3::float8)
+                            THEN NULL ELSE $6::text::jsonb END,
+    response_body    = CASE WHEN created_at > now() - make_interval(secs => $3::float8)
+                            THEN NULL ELSE $7::bytea END,
+    finished_at      = CASE WHEN created_at > now() - make_interval(secs => $3::float8)
                             THEN NULL ELSE now() END,
     last_run_at = now()
-WHERE ctid = $6 AND id = $7 AND lease_token = $8 AND status = 'running'
+WHERE ctid = $8 AND id = $9 AND lease_token = $10 AND status = 'running'
 RETURNING ctid, (status = 'failed')::boolean AS failed, response_status, response_headers, response_body
 `
 
 type ExtendLeaseParams struct {
+	Member         []byte
+	Phase          string
 	MaxAgeSeconds  float64
 	LeaseSeconds   float64
 	FailureStatus  int32
@@ -130,9 +139,13 @@ type ExtendLeaseRow struct {
 
 // Extends a held lease before a foreign call, from clock_timestamp(); or, if
 // the key was created more than max_age ago, fails it instead, as
-// TakeOverKey does, so that the call is not made. failed tells which.
+// TakeOverKey does, so that the call is not made. failed tells which. It
+// also records the results of foreign calls made since the last commit
+// (member, as CommitPhase's; empty for none), phase the last of them.
 func (q *Queries) ExtendLease(ctx context.Context, arg ExtendLeaseParams) (ExtendLeaseRow, error) {
 	row := q.db.QueryRow(ctx, extendLease,
+		arg.Member,
+		arg.Phase,
 		arg.MaxAgeSeconds,
 		arg.LeaseSeconds,
 		arg.FailureStatus,
@@ -156,20 +169,26 @@ func (q *Queries) ExtendLease(ctx context.Context, arg ExtendLeaseParams) (Exten
 const finishKey = `-- name: FinishKey :one
 UPDATE idempotency_keys
 SET status = 'finished',
-    recovery_point = $1,
-    response_status = $2,
-    response_headers = $3::text::jsonb,
-    response_body = $4,
+    phase_results_raw = CASE WHEN coalesce(length($1::bytea), 0) = 0 THEN phase_results_raw
+                             WHEN phase_results_raw IS NULL OR length(phase_results_raw) <= 2
+                             THEN '{'::bytea || $1::bytea || '}'::bytea
+                             ELSE overlay(phase_results_raw PLACING ','::bytea || $1::bytea || '}'::bytea
+                                          FROM length(phase_results_raw) FOR 1) END,
+    recovery_point = $2,
+    response_status = $3,
+    response_headers = $4::text::jsonb,
+    response_body = $5,
     finished_at = now(),
     last_run_at = now(),
     lease_token = NULL,
     leased_until = NULL
-WHERE ctid = $5 AND id = $6 AND lease_token IS NOT DISTINCT FROM $7::uuid
+WHERE ctid = $6 AND id = $7 AND lease_token IS NOT DISTINCT FROM $8::uuid
   AND status = 'running'
 RETURNING ctid
 `
 
 type FinishKeyParams struct {
+	Member          []byte
 	RecoveryPoint   string
 	ResponseStatus  pgtype.Int4
 	ResponseHeaders string
@@ -179,10 +198,12 @@ type FinishKeyParams struct {
 	LeaseToken      uuid.NullUUID
 }
 
-// Stores the terminal response and releases the lease (a single-phase run
-// has no lease: its token is NULL).
+// Stores the terminal response and releases the lease, with the results of
+// foreign calls made since the last commit (member, as CommitPhase's; empty
+// for none).
 func (q *Queries) FinishKey(ctx context.Context, arg FinishKeyParams) (pgtype.TID, error) {
 	row := q.db.QueryRow(ctx, finishKey,
+		arg.Member,
 		arg.RecoveryPoint,
 		arg.ResponseStatus,
 		arg.ResponseHeaders,
@@ -241,14 +262,14 @@ INSERT INTO idempotency_keys (
 SELECT $1, $2, $3, $4, $5, $6::bytea,
        $7, 'started', '{}'::jsonb, 'running', $8::uuid,
        clock_timestamp() + make_interval(secs => $9::float8),
-       1, now(), now(), atomicphase_foreign_key_seed($1, $2)
+       1, now(), now(), coalesce($10::bigint, atomicphase_foreign_key_seed($1, $2))
 WHERE pg_try_advisory_xact_lock(
     hashtextextended(length($1::text)::text || ':' || $1::text || $2::text,
                     'idempotency_keys'::regclass::oid::bigint))
-  AND (NOT $10::boolean OR atomicphase_refuse_tombstoned($1, $2))
+  AND (NOT $11::boolean OR atomicphase_refuse_tombstoned($1, $2))
 ON CONFLICT (scope, key) DO NOTHING
 RETURNING id, ctid, foreign_key_seed,
-    (NOT $10::boolean AND atomicphase_key_tombstoned($1, $2))::boolean AS reused_expired
+    (NOT $11::boolean AND atomicphase_key_tombstoned($1, $2))::boolean AS reused_expired
 `
 
 type InsertKeyParams struct {
@@ -261,6 +282,7 @@ type InsertKeyParams struct {
 	Workflow      string
 	LeaseToken    uuid.UUID
 	LeaseSeconds  float64
+	Seed          pgtype.Int8
 	RejectExpired bool
 }
 
@@ -284,7 +306,8 @@ type InsertKeyRow struct {
 // are stored as their canonical bytes (request_params_raw), not as jsonb.
 // A key with a live tombstone (deleted after its TTL) raises AP002 when
 // reject_expired is set; otherwise reused_expired says it was one. The
-// foreign-key seed is stored with the row (migration 00010).
+// foreign-key seed is stored with the row (migration 00010): the one
+// LookupWorkflowKey read, or if NULL, computed here.
 func (q *Queries) InsertKey(ctx context.Context, arg InsertKeyParams) (InsertKeyRow, error) {
 	row := q.db.QueryRow(ctx, insertKey,
 		arg.Scope,
@@ -296,6 +319,7 @@ func (q *Queries) InsertKey(ctx context.Context, arg InsertKeyParams) (InsertKey
 		arg.Workflow,
 		arg.LeaseToken,
 		arg.LeaseSeconds,
+		arg.Seed,
 		arg.RejectExpired,
 	)
 	var i InsertKeyRow
@@ -513,21 +537,90 @@ func (q *Queries) LookupKeyForResume(ctx context.Context, arg LookupKeyForResume
 	return i, err
 }
 
+const lookupWorkflowKey = `-- name: LookupWorkflowKey :one
+SELECT k.id, k.fingerprint, k.workflow, k.recovery_point, k.status,
+       coalesce(k.lease_token IS NOT NULL AND k.leased_until > now(), false)::boolean AS lease_live,
+       coalesce(greatest(extract(epoch FROM k.leased_until - now()), 0), 0)::float8 AS lease_remaining_seconds,
+       k.attempts, k.response_status, k.response_headers, k.response_body,
+       CASE WHEN k.id IS NULL THEN atomicphase_foreign_key_seed($1, $2) ELSE 0 END::bigint AS seed
+FROM (SELECT 1) AS one
+LEFT JOIN idempotency_keys k ON k.scope = $1 AND k.key = $2
+`
+
+type LookupWorkflowKeyParams struct {
+	Scope string
+	Key   string
+}
+
+type LookupWorkflowKeyRow struct {
+	ID                    pgtype.Int8
+	Fingerprint           []byte
+	Workflow              pgtype.Text
+	RecoveryPoint         pgtype.Text
+	Status                pgtype.Text
+	LeaseLive             bool
+	LeaseRemainingSeconds float64
+	Attempts              pgtype.Int4
+	ResponseStatus        pgtype.Int4
+	ResponseHeaders       json.RawMessage
+	ResponseBody          []byte
+	Seed                  int64
+}
+
+// LookupKey for RunWorkflow: always one row. For a missing key, id is NULL
+// and seed is the foreign-key seed the key will be inserted with (InsertKey
+// takes it back), so that the attempt can derive foreign keys before the
+// insert, which waits for the workflow's first commit.
+func (q *Queries) LookupWorkflowKey(ctx context.Context, arg LookupWorkflowKeyParams) (LookupWorkflowKeyRow, error) {
+	row := q.db.QueryRow(ctx, lookupWorkflowKey, arg.Scope, arg.Key)
+	var i LookupWorkflowKeyRow
+	err := row.Scan(
+		&i.ID,
+		&i.Fingerprint,
+		&i.Workflow,
+		&i.RecoveryPoint,
+		&i.Status,
+		&i.LeaseLive,
+		&i.LeaseRemainingSeconds,
+		&i.Attempts,
+		&i.ResponseStatus,
+		&i.ResponseHeaders,
+		&i.ResponseBody,
+		&i.Seed,
+	)
+	return i, err
+}
+
 const releaseKey = `-- name: ReleaseKey :execrows
 UPDATE idempotency_keys
-SET lease_token = NULL, leased_until = NULL, last_run_at = now()
-WHERE id = $1 AND lease_token = $2 AND status = 'running'
+SET recovery_point = CASE WHEN coalesce(length($1::bytea), 0) = 0 THEN recovery_point ELSE $2::text END,
+    phase_results_raw = CASE WHEN coalesce(length($1::bytea), 0) = 0 THEN phase_results_raw
+                             WHEN phase_results_raw IS NULL OR length(phase_results_raw) <= 2
+                             THEN '{'::bytea || $1::bytea || '}'::bytea
+                             ELSE overlay(phase_results_raw PLACING ','::bytea || $1::bytea || '}'::bytea
+                                          FROM length(phase_results_raw) FOR 1) END,
+    lease_token = NULL, leased_until = NULL, last_run_at = now()
+WHERE id = $3 AND lease_token = $4 AND status = 'running'
 `
 
 type ReleaseKeyParams struct {
+	Member     []byte
+	Phase      string
 	ID         int64
 	LeaseToken uuid.NullUUID
 }
 
 // Frees the lease after a transient error; the recovery point stays, so a
-// retry or the resumer continues from it. Runs in its own transaction.
+// retry or the resumer continues from it, after the results of foreign calls
+// made since the last commit (member, as CommitPhase's; empty for none),
+// phase the last of them. Runs in its own transaction.
 func (q *Queries) ReleaseKey(ctx context.Context, arg ReleaseKeyParams) (int64, error) {
-	result, err := q.db.Exec(ctx, releaseKey, arg.ID, arg.LeaseToken)
+	result, err := q.db.Exec(ctx, releaseKey,
+		arg.Member,
+		arg.Phase,
+		arg.ID,
+		arg.LeaseToken,
+	)
 	if err != nil {
 		return 0, err
 	}

@@ -54,3 +54,23 @@ func (r Results) Query(context.Context, string, ...any) (pgx.Rows, error) { retu
 
 // QueryRow reads the next result as one row.
 func (r Results) QueryRow(context.Context, string, ...any) pgx.Row { return r.BR.QueryRow() }
+
+// Begin starts a transaction on conn with the statements queue adds to the
+// batch, all in one round trip. It returns the open transaction and the
+// batch's results, positioned at the first queued statement's: the caller
+// reads them, closes br and then uses tx, or rolls tx back (a no-op if the
+// batch already ended the transaction). An error means BEGIN failed and
+// there is no transaction.
+func Begin(ctx context.Context, conn *pgx.Conn, opts pgx.TxOptions, queue func(b *pgx.Batch) error) (pgx.Tx, pgx.BatchResults, error) {
+	b := &pgx.Batch{}
+	b.BeginTx(opts)
+	if err := queue(b); err != nil {
+		return nil, nil, err
+	}
+	br := conn.SendBatch(ctx, b)
+	if _, err := br.Exec(); err != nil {
+		_ = br.Close()
+		return nil, nil, err
+	}
+	return br.Tx(), br, nil
+}

@@ -35,11 +35,14 @@ type Commit uint8
 
 // What commits.
 const (
-	// CommitKey: the key's row alone, created holding a lease, before the
-	// workflow's first phase.
+	// CommitKey: the key's row alone, created holding a lease, before a
+	// Foreign phase that comes first. (Otherwise a first attempt inserts
+	// its key in the transaction of its first commit, a CommitPhase or a
+	// CommitResponse.)
 	CommitKey Commit = iota + 1
-	// CommitPhase: a phase's outcome (an Atomic phase with its writes, or
-	// a foreign call's result) as the key's recovery point.
+	// CommitPhase: an Atomic phase's writes and result as the key's
+	// recovery point, with the results of foreign calls made since the
+	// last commit (which have no commit of their own).
 	CommitPhase
 	// CommitResponse: the terminal response, with the final phase's writes
 	// (Attempt.Finish) or on its own (a response the workflow returned

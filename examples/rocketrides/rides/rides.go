@@ -139,8 +139,9 @@ func (p Provider) Charge(ctx context.Context, key, user string, amountCents int6
 
 // NewWorkflow returns the create-ride workflow charging through p.
 // crashAfter, when not empty, names a phase after which the process kills
-// itself with SIGKILL (once the phase committed): fault injection for tests
-// and the demo, never set in production.
+// itself with SIGKILL (once the phase returned: an Atomic phase committed,
+// a Foreign phase's result in hand, recorded by the next commit): fault
+// injection for tests and the demo, never set in production.
 func NewWorkflow(p Provider, crashAfter string) *txn.Workflow {
 	crash := func(phase string) {
 		if phase == crashAfter {

@@ -1,0 +1,197 @@
+package txn
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/atomicphase/atomicphase/internal/db"
+	"github.com/atomicphase/atomicphase/internal/pgbatch"
+	"github.com/atomicphase/atomicphase/internal/pgerr"
+	"github.com/atomicphase/atomicphase/internal/txnhook"
+)
+
+// A workflow's first attempt does not insert its key on its own: the key
+// goes into the transaction of the first commit the workflow makes (an
+// Atomic phase, Finish, or a terminal response), so that a workflow of
+// Atomic, Foreign and Finish commits twice. Only a Foreign phase that
+// comes first inserts the key by itself, since the lease must be held
+// before the call. Until then the attempt holds nothing: a concurrent
+// attempt's insert makes ours insert no row (errRaced), and the caller
+// looks at the key again.
+
+// insertParams is the key's insert, with the lease this attempt will hold
+// and the foreign-key seed its lookup read.
+func (a *Attempt) insertParams() db.InsertKeyParams {
+	return db.InsertKeyParams{
+		Scope: a.req.key.Scope, Key: a.req.key.Value, Fingerprint: a.req.fingerprint,
+		RequestMethod: a.req.key.Method, RequestPath: a.req.key.Path, RequestParams: a.req.params,
+		Workflow: a.workflow, LeaseToken: a.token, LeaseSeconds: a.r.cfg.LeaseDuration.Seconds(),
+		Seed: a.seed, RejectExpired: a.r.cfg.ExpiredKeyPolicy == ExpiredKeyReject,
+	}
+}
+
+// inserted notes the key row this attempt's insert returned: the row
+// addressed by the attempt's later commits. It is the attempt's only once
+// the insert commits (stored).
+func (a *Attempt) inserted(ins db.InsertKeyRow) {
+	a.id, a.tid = ins.ID, ins.Ctid
+	a.reusedExpired = ins.ReusedExpired
+}
+
+// committedKey marks the key stored by a commit whose transaction began
+// (and set the lease) no earlier than sent.
+func (a *Attempt) committedKey(ctx context.Context, sent time.Time) {
+	a.stored = true
+	a.leaseAt = sent
+	if a.reusedExpired {
+		a.r.noteExpiredReuse(ctx, a.req, a.workflow)
+	}
+}
+
+// insertFailed interprets an insert that returned no row or an error.
+func (a *Attempt) insertFailed(ctx context.Context, err error) error {
+	if errors.Is(err, pgx.ErrNoRows) {
+		// Held by an uncommitted attempt, or committed since our lookup.
+		a.raced = true
+		return errRaced
+	}
+	return fmt.Errorf("insert key: %w", a.r.keyExpired(ctx, a.req, a.workflow, err))
+}
+
+// insertKey inserts the key on its own, holding the lease: before a Foreign
+// phase that comes first.
+func (a *Attempt) insertKey(ctx context.Context) error {
+	a.at(txnhook.BeforeCommit, txnhook.CommitKey, "", "")
+	sent := time.Now()
+	ins, err := a.r.q.InsertKey(ctx, a.insertParams())
+	switch {
+	case errors.Is(err, pgx.ErrNoRows):
+		return a.insertFailed(ctx, err)
+	case err != nil && !pgerr.IsServerRejection(err):
+		// The insert may have committed unseen, holding the key for a
+		// whole lease: remove it, so that a retry runs.
+		err = errors.Join(err, cleanupFailed(a.r.removeUnseenInsert(ctx, a.req, a.token)))
+		return fmt.Errorf("insert key: %w", err)
+	case err != nil:
+		return a.insertFailed(ctx, err)
+	}
+	a.inserted(ins)
+	a.committedKey(ctx, sent)
+	a.at(txnhook.AfterCommit, txnhook.CommitKey, "", "")
+	return nil
+}
+
+// inTx runs fn in a SERIALIZABLE transaction, retried on serialization
+// failures like every phase's (Runner.inTx). If the key is not stored yet,
+// the transaction inserts it first, sent with BEGIN in one round trip, and
+// fn runs with the inserted row as the attempt's (a.id, a.tid).
+func (a *Attempt) inTx(ctx context.Context, fn func(tx pgx.Tx) error) error {
+	if a.stored {
+		return a.r.inTx(ctx, fn)
+	}
+	var sent time.Time
+	err := a.r.retryTx(ctx, func() error {
+		sent = time.Now()
+		return a.newKeyTxOnce(ctx, fn)
+	})
+	if err == nil {
+		a.committedKey(ctx, sent)
+	}
+	return err
+}
+
+func (a *Attempt) newKeyTxOnce(ctx context.Context, fn func(tx pgx.Tx) error) (err error) {
+	conn, err := a.r.pool.Acquire(ctx)
+	if err != nil {
+		return fmt.Errorf("acquire: %w", err)
+	}
+	defer conn.Release()
+	params := a.insertParams()
+	tx, br, err := pgbatch.Begin(ctx, conn.Conn(), pgx.TxOptions{IsoLevel: pgx.Serializable}, func(b *pgx.Batch) error {
+		_, err := db.New(pgbatch.Queue{B: b}).InsertKey(ctx, params)
+		return err
+	})
+	if err != nil {
+		return fmt.Errorf("begin: %w", err)
+	}
+	defer func() {
+		if err != nil {
+			a.r.rollback(ctx, tx) // a no-op when the batch ended the transaction
+		}
+	}()
+	ins, err := db.New(pgbatch.Results{BR: br}).InsertKey(ctx, params)
+	if cerr := br.Close(); err == nil && cerr != nil {
+		err = cerr
+	}
+	if err != nil {
+		return a.insertFailed(ctx, err)
+	}
+	a.inserted(ins)
+	if err := fn(tx); err != nil {
+		a.id = 0 // rolled back: nothing of the insert is left to release
+		return err
+	}
+	if err := tx.Commit(ctx); err != nil {
+		// It may have committed unseen: a.id stays, for the release.
+		return fmt.Errorf("commit: %w", err)
+	}
+	return nil
+}
+
+// storeTerminal stores a terminal response the workflow returned without
+// Finish, fenced, where the workflow stopped: in a transaction that inserts
+// the key if nothing stored it yet.
+func (a *Attempt) storeTerminal(ctx context.Context, resp Response) error {
+	point := a.point
+	if a.pendingPoint != "" {
+		point = a.pendingPoint
+	}
+	a.at(txnhook.BeforeCommit, txnhook.CommitResponse, point, "")
+	var err error
+	if a.stored {
+		err = a.store(ctx, a.r.q, resp, point)
+	} else {
+		err = a.inTx(ctx, func(tx pgx.Tx) error { return a.store(ctx, a.r.q.WithTx(tx), resp, point) })
+	}
+	if err != nil {
+		return err
+	}
+	a.at(txnhook.AfterCommit, txnhook.CommitResponse, point, "")
+	return nil
+}
+
+// removeUnseenInsert deletes the key this attempt's insert may have created
+// although the caller saw an error (the connection failed around its
+// commit), on a fresh context bounded by Config.ReleaseTimeout. Nothing ran
+// under it. It first waits on the key's advisory lock, which the insert's
+// transaction holds until it ends, so that an insert still committing on
+// the server is seen (read committed: the DELETE's snapshot follows the
+// lock). It returns an error only if the removal failed.
+func (r *Runner) removeUnseenInsert(ctx context.Context, req request, token uuid.UUID) error {
+	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.ReleaseTimeout)
+	defer cancel()
+	err := pgx.BeginTxFunc(rctx, r.pool, pgx.TxOptions{IsoLevel: pgx.ReadCommitted}, func(tx pgx.Tx) error {
+		q := r.q.WithTx(tx)
+		if err := q.LockKey(rctx, db.LockKeyParams{Scope: req.key.Scope, Key: req.key.Value}); err != nil {
+			return err
+		}
+		n, err := q.DeleteUnstartedKey(rctx, db.DeleteUnstartedKeyParams{
+			Scope: req.key.Scope, Key: req.key.Value, LeaseToken: token,
+		})
+		if n == 1 {
+			r.released.Add(1)
+			r.tel.Released(ctx, workflowOf(ctx))
+		}
+		return err
+	})
+	if err != nil {
+		return fmt.Errorf("remove the key the insert may have created (it becomes free when its lease of %v expires): %w",
+			r.cfg.LeaseDuration, err)
+	}
+	return nil
+}
