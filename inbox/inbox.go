@@ -191,24 +191,21 @@ func (in *Inbox) attempt(ctx context.Context, messageID string, fn Func) (Outcom
 		return 0, fmt.Errorf("acquire: %w", err)
 	}
 	defer conn.Release()
-	b := &pgx.Batch{}
-	b.BeginTx(serializable)
-	_, _ = db.New(pgbatch.Queue{B: b}).RecordInboxMessage(ctx, db.RecordInboxMessageParams{
-		Consumer: in.cfg.Consumer, MessageID: messageID, RetentionSeconds: in.cfg.Retention.Seconds(),
+	tx, br, err := pgbatch.Begin(ctx, conn.Conn(), serializable, func(b *pgx.Batch) error {
+		_, err := db.New(pgbatch.Queue{B: b}).RecordInboxMessage(ctx, db.RecordInboxMessageParams{
+			Consumer: in.cfg.Consumer, MessageID: messageID, RetentionSeconds: in.cfg.Retention.Seconds(),
+		})
+		return err
 	})
-	br := conn.SendBatch(ctx, b)
-	tx := br.Tx()
+	if err != nil {
+		return 0, fmt.Errorf("begin: %w", err)
+	}
 	committed := false
 	defer func() {
 		if !committed {
 			rollback(ctx, tx)
 		}
 	}()
-	_, err = br.Exec()
-	if err != nil {
-		_ = br.Close()
-		return 0, fmt.Errorf("begin: %w", err)
-	}
 	tag, err := br.Exec()
 	if cerr := br.Close(); err == nil {
 		err = cerr

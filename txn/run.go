@@ -144,24 +144,19 @@ func (r *Runner) runSingle(ctx context.Context, req request, fn Func) (resp Resp
 		RequestMethod: req.key.Method, RequestPath: req.key.Path, RequestParams: req.params,
 		RejectExpired: r.cfg.ExpiredKeyPolicy == ExpiredKeyReject,
 	}
-	b := &pgx.Batch{}
-	b.BeginTx(pgx.TxOptions{IsoLevel: pgx.Serializable})
-	if _, err := db.New(pgbatch.Queue{B: b}).InsertSingleKey(ctx, params); err != nil {
-		return Response{}, false, err
+	tx, br, err := pgbatch.Begin(ctx, conn.Conn(), pgx.TxOptions{IsoLevel: pgx.Serializable}, func(b *pgx.Batch) error {
+		_, err := db.New(pgbatch.Queue{B: b}).InsertSingleKey(ctx, params)
+		return err
+	})
+	if err != nil {
+		return Response{}, false, fmt.Errorf("begin: %w", err)
 	}
-	br := conn.SendBatch(ctx, b)
-	tx := br.Tx()
 	committed := false
 	defer func() {
 		if !committed {
 			r.rollback(ctx, tx) // a no-op when the batch ended the transaction
 		}
 	}()
-	_, err = br.Exec()
-	if err != nil {
-		_ = br.Close()
-		return Response{}, false, fmt.Errorf("begin: %w", err)
-	}
 	ins, err := db.New(pgbatch.Results{BR: br}).InsertSingleKey(ctx, params)
 	if cerr := br.Close(); err == nil && cerr != nil {
 		err = cerr
