@@ -136,7 +136,10 @@ RETURNING ctid, recovery_point, phase_results, phase_results_raw, attempts, fore
 -- comma-separated), appended to the phase_results_raw object (kept as
 -- bytes: jsonb cannot hold every result a foreign call returns). The lease is extended from
 -- clock_timestamp(), the time of this statement, so a phase that ran longer
--- than the lease still commits a live one.
+-- than the lease still commits a live one. It is sent in one round trip
+-- with COMMIT, so it fails (division_by_zero), not matches nothing, when
+-- the row is not where the attempt left it: the COMMIT then does nothing.
+WITH updated AS (
 UPDATE idempotency_keys
 SET recovery_point = @phase::text,
     phase_results_raw = CASE WHEN phase_results_raw IS NULL OR length(phase_results_raw) <= 2
@@ -146,7 +149,9 @@ SET recovery_point = @phase::text,
     leased_until = clock_timestamp() + make_interval(secs => @lease_seconds::float8),
     last_run_at = now()
 WHERE ctid = @tid AND id = @id AND lease_token = @lease_token AND status = 'running'
-RETURNING ctid;
+RETURNING ctid
+)
+SELECT (SELECT ctid FROM updated)::tid AS ctid, (1 / (SELECT count(*) FROM updated))::integer AS found;
 
 -- name: ExtendLease :one
 -- Extends a held lease before a foreign call, from clock_timestamp(); or, if
@@ -191,7 +196,9 @@ WHERE id = @id AND lease_token = @lease_token AND status = 'running';
 -- name: FinishKey :one
 -- Stores the terminal response and releases the lease, with the results of
 -- foreign calls made since the last commit (member, as CommitPhase's; empty
--- for none).
+-- for none). Like CommitPhase, it fails (division_by_zero) when the row is
+-- not where the attempt left it, so it can go out with COMMIT.
+WITH updated AS (
 UPDATE idempotency_keys
 SET status = 'finished',
     phase_results_raw = CASE WHEN coalesce(length(@member::bytea), 0) = 0 THEN phase_results_raw
@@ -209,7 +216,9 @@ SET status = 'finished',
     leased_until = NULL
 WHERE ctid = @tid AND id = @id AND lease_token IS NOT DISTINCT FROM sqlc.narg(lease_token)::uuid
   AND status = 'running'
-RETURNING ctid;
+RETURNING ctid
+)
+SELECT (SELECT ctid FROM updated)::tid AS ctid, (1 / (SELECT count(*) FROM updated))::integer AS found;
 
 -- name: DeleteUnstartedKey :execrows
 -- Removes a key that the attempt holding its lease inserted and ran nothing

@@ -19,6 +19,7 @@ import (
 
 	"github.com/atomicphase/atomicphase/internal/db"
 	"github.com/atomicphase/atomicphase/internal/failure"
+	"github.com/atomicphase/atomicphase/internal/pgerr"
 	"github.com/atomicphase/atomicphase/internal/phasectx"
 	"github.com/atomicphase/atomicphase/internal/telemetry"
 	"github.com/atomicphase/atomicphase/internal/txnhook"
@@ -179,36 +180,33 @@ func runAtomic[T any](ctx context.Context, a *Attempt, name string, fn func(ctx 
 	var zero T
 	var raw []byte
 	var tid pgtype.TID
-	var sent time.Time
-	err := a.inTx(ctx, func(tx pgx.Tx) error {
+	err := a.inTx(ctx, func(tx pgx.Tx) (func(q *db.Queries) error, error) {
 		utx := newUserTx(tx)
 		v, err := guard(func() (T, error) { return fn(phasectx.WithKeyID(ctx, a.id), utx) })
 		if rerr := utx.retry(); rerr != nil {
-			return rerr // whatever fn made of it
+			return nil, rerr // whatever fn made of it
 		}
 		if err != nil {
-			return err
+			return nil, err
 		}
 		if err := utx.usable(); err != nil {
-			return err
+			return nil, err
 		}
 		raw, err = json.Marshal(v)
 		if err != nil {
-			return fmt.Errorf("%w: encode result: %w", ErrInvalidUse, err)
+			return nil, fmt.Errorf("%w: encode result: %w", ErrInvalidUse, err)
 		}
-		sent = time.Now()
-		tid, err = a.commitPhase(ctx, a.r.q.WithTx(tx), name, raw)
+		commit, err := a.phaseStmt(ctx, name, raw, &tid, utx)
 		if err == nil {
 			a.at(txnhook.BeforeCommit, txnhook.CommitPhase, name, "")
 		}
-		return utx.explain(err)
+		return commit, err
 	})
 	if err != nil {
 		return zero, fmt.Errorf("txn: phase %q: %w", name, err)
 	}
 	a.at(txnhook.AfterCommit, txnhook.CommitPhase, name, "")
 	a.tid = tid // only now: a rolled-back try leaves the row where it was
-	a.leaseAt = sent
 	a.pending, a.pendingPoint = nil, ""
 	return recordResult[T](a, name, raw)
 }
@@ -315,7 +313,7 @@ func (a *Attempt) leaseFresh() bool {
 func (a *Attempt) extendLease(ctx context.Context, name string) error {
 	var tooOld *Response
 	sent := time.Now()
-	tid, err := a.fenced(ctx, a.r.q, func(tid pgtype.TID) (pgtype.TID, error) {
+	tid, err := a.fenced(ctx, func(tid pgtype.TID) (pgtype.TID, error) {
 		row, err := a.r.q.ExtendLease(ctx, db.ExtendLeaseParams{
 			Tid: tid, ID: a.id, LeaseToken: a.nullToken(), LeaseSeconds: a.r.cfg.LeaseDuration.Seconds(),
 			MaxAgeSeconds: a.r.cfg.MaxAge.Seconds(), FailureStatus: failure.Status,
@@ -361,57 +359,78 @@ func phaseMember(name string, raw []byte) ([]byte, error) {
 	return member.Bytes(), nil
 }
 
-// commitPhase records the phase name with its result, after the results of
-// foreign calls not committed yet, fenced.
-func (a *Attempt) commitPhase(ctx context.Context, q *db.Queries, name string, raw []byte) (pgtype.TID, error) {
+// phaseStmt is the fenced statement that records the phase name with its
+// result, after the results of foreign calls not committed yet, and extends
+// the lease; it sets *tid to the row's new ctid. It goes out with COMMIT
+// (commitWith); explain reports the function's failed statement if the
+// transaction was aborted by one.
+func (a *Attempt) phaseStmt(ctx context.Context, name string, raw []byte, tid *pgtype.TID, utx *userTx) (func(q *db.Queries) error, error) {
 	member, err := phaseMember(name, raw)
 	if err != nil {
-		return a.tid, err
+		return nil, err
 	}
 	if len(a.pending) > 0 {
 		member = append(append(append([]byte(nil), a.pending...), ','), member...)
 	}
-	tid, err := a.fenced(ctx, q, func(tid pgtype.TID) (pgtype.TID, error) {
-		return q.CommitPhase(ctx, db.CommitPhaseParams{
-			Tid: tid, ID: a.id, LeaseToken: a.nullToken(),
-			Phase: name, Member: member, LeaseSeconds: a.r.cfg.LeaseDuration.Seconds(),
-		})
-	})
-	if err != nil {
-		return tid, fmt.Errorf("record phase: %w", err)
+	params := db.CommitPhaseParams{
+		Tid: a.tid, ID: a.id, LeaseToken: a.nullToken(),
+		Phase: name, Member: member, LeaseSeconds: a.r.cfg.LeaseDuration.Seconds(),
 	}
-	return tid, nil
+	return func(q *db.Queries) error {
+		row, err := q.CommitPhase(ctx, params)
+		*tid = row.Ctid
+		if err != nil {
+			return utx.explain(err)
+		}
+		return nil
+	}, nil
 }
 
 func (a *Attempt) nullToken() uuid.NullUUID { return uuid.NullUUID{UUID: a.token, Valid: true} }
 
-// fenced runs a lease-fenced UPDATE that addresses the key row by its ctid
-// and returns the row's new ctid. Addressing by ctid keeps SERIALIZABLE
-// phases from taking predicate locks on primary-key btree pages, which
-// would make unrelated keys conflict with each other. If the row is not at
-// its last known ctid, it is located by id and lease token (no row: the
-// lease was lost) and the update is tried there, unless the key's recovery
-// point is not the last phase this attempt committed (errLostCommit).
-func (a *Attempt) fenced(ctx context.Context, q *db.Queries, update func(pgtype.TID) (pgtype.TID, error)) (pgtype.TID, error) {
+// fenced runs a lease-fenced UPDATE on its own (autocommit) that addresses
+// the key row by its ctid and returns the row's new ctid. Addressing by
+// ctid keeps SERIALIZABLE phases from taking predicate locks on
+// primary-key btree pages, which would make unrelated keys conflict with
+// each other. If the row is not at its last known ctid (no row, or the
+// division_by_zero of a statement that fails rather than match nothing), it
+// is located (Attempt.relocate) and the update tried there.
+func (a *Attempt) fenced(ctx context.Context, update func(pgtype.TID) (pgtype.TID, error)) (pgtype.TID, error) {
 	tid, err := update(a.tid)
-	if !errors.Is(err, pgx.ErrNoRows) {
+	if !notFound(err) {
 		return tid, err
 	}
-	cur, err := q.LocateHeldKey(ctx, db.LocateHeldKeyParams{ID: a.id, LeaseToken: a.nullToken()})
-	if errors.Is(err, pgx.ErrNoRows) {
-		return tid, ErrLeaseLost
-	}
-	if err != nil {
+	if err := a.relocate(ctx); err != nil {
 		return tid, err
 	}
-	if cur.RecoveryPoint != a.point {
-		return tid, fmt.Errorf("%w (the key is at %q, this attempt committed %q)", errLostCommit, cur.RecoveryPoint, a.point)
-	}
-	tid, err = update(cur.Ctid)
-	if errors.Is(err, pgx.ErrNoRows) {
+	tid, err = update(a.tid)
+	if notFound(err) {
 		return tid, ErrLeaseLost
 	}
 	return tid, err
+}
+
+// notFound reports a fenced update that found no row where it looked.
+func notFound(err error) bool {
+	return errors.Is(err, pgx.ErrNoRows) || errors.Is(err, errRowMoved) || pgerr.Code(err) == pgerr.DivisionByZero
+}
+
+// relocate finds the key row this attempt holds the lease of, when it is
+// not at its last known ctid: ErrLeaseLost if there is none (the lease was
+// taken over, or the key failed), errLostCommit if its recovery point is
+// not the last phase this attempt committed (a failover lost that commit).
+func (a *Attempt) relocate(ctx context.Context) error {
+	cur, err := a.r.q.LocateHeldKey(ctx, db.LocateHeldKeyParams{ID: a.id, LeaseToken: a.nullToken()})
+	switch {
+	case errors.Is(err, pgx.ErrNoRows):
+		return ErrLeaseLost
+	case err != nil:
+		return err
+	case cur.RecoveryPoint != a.point:
+		return fmt.Errorf("%w (the key is at %q, this attempt committed %q)", errLostCommit, cur.RecoveryPoint, a.point)
+	}
+	a.tid = cur.Ctid
+	return nil
 }
 
 // recordResult notes a committed phase and returns its JSON round trip.
@@ -454,30 +473,31 @@ func (a *Attempt) Finish(ctx context.Context, fn Func) (Response, error) {
 func (a *Attempt) finish(ctx context.Context, fn Func) (Response, error) {
 	var resp Response
 	stored := true
-	err := a.inTx(ctx, func(tx pgx.Tx) error {
+	err := a.inTx(ctx, func(tx pgx.Tx) (func(q *db.Queries) error, error) {
 		utx := newUserTx(tx)
 		var err error
 		resp, err = guard(func() (Response, error) { return fn(phasectx.WithKeyID(ctx, a.id), utx) })
 		if rerr := utx.retry(); rerr != nil {
-			return rerr // whatever fn made of it
+			return nil, rerr // whatever fn made of it
 		}
 		if err != nil {
-			return err
+			return nil, err
 		}
 		if err := resp.validate(); err != nil {
-			return err
+			return nil, err
 		}
 		if err := utx.usable(); err != nil {
-			return err
+			return nil, err
 		}
 		if stored = a.r.cfg.Store(resp.Status) || !a.unstarted(); !stored {
-			return errNotStored // rolls fn's writes back
+			return nil, errNotStored // rolls fn's writes back
 		}
-		err = a.store(ctx, a.r.q.WithTx(tx), resp, pointFinished)
-		if err == nil {
-			a.at(txnhook.BeforeCommit, txnhook.CommitResponse, "", "")
+		commit, err := a.storeStmt(ctx, resp, pointFinished)
+		if err != nil {
+			return nil, err
 		}
-		return utx.explain(err)
+		a.at(txnhook.BeforeCommit, txnhook.CommitResponse, "", "")
+		return func(q *db.Queries) error { return utx.explain(commit(q)) }, nil
 	})
 	if err != nil && !(errors.Is(err, errNotStored) && !stored) {
 		return Response{}, fmt.Errorf("txn: finish: %w", err)
@@ -495,9 +515,28 @@ func (a *Attempt) finish(ctx context.Context, fn Func) (Response, error) {
 // errNotStored rolls back a final phase whose response is not stored.
 var errNotStored = errors.New("response not stored")
 
-// store writes the terminal response and releases the lease, fenced, with
-// the results of foreign calls not committed yet.
-func (a *Attempt) store(ctx context.Context, q *db.Queries, resp Response, point string) error {
+// storeStmt is the fenced statement that writes the terminal response and
+// releases the lease, with the results of foreign calls not committed yet.
+func (a *Attempt) storeStmt(ctx context.Context, resp Response, point string) (func(q *db.Queries) error, error) {
+	if err := resp.validate(); err != nil {
+		return nil, err
+	}
+	header, err := resp.encodedHeader()
+	if err != nil {
+		return nil, err
+	}
+	params := db.FinishKeyParams{
+		Tid: a.tid, ID: a.id, LeaseToken: a.nullToken(), RecoveryPoint: point, Member: a.pending,
+		ResponseStatus: int4(resp.Status), ResponseHeaders: string(header), ResponseBody: resp.Body,
+	}
+	return func(q *db.Queries) error {
+		_, err := q.FinishKey(ctx, params)
+		return err
+	}, nil
+}
+
+// storeAlone writes the terminal response on its own, fenced.
+func (a *Attempt) storeAlone(ctx context.Context, resp Response, point string) error {
 	if err := resp.validate(); err != nil {
 		return err
 	}
@@ -505,11 +544,12 @@ func (a *Attempt) store(ctx context.Context, q *db.Queries, resp Response, point
 	if err != nil {
 		return err
 	}
-	_, err = a.fenced(ctx, q, func(tid pgtype.TID) (pgtype.TID, error) {
-		return q.FinishKey(ctx, db.FinishKeyParams{
+	_, err = a.fenced(ctx, func(tid pgtype.TID) (pgtype.TID, error) {
+		row, err := a.r.q.FinishKey(ctx, db.FinishKeyParams{
 			Tid: tid, ID: a.id, LeaseToken: a.nullToken(), RecoveryPoint: point, Member: a.pending,
 			ResponseStatus: int4(resp.Status), ResponseHeaders: string(header), ResponseBody: resp.Body,
 		})
+		return row.Ctid, err
 	})
 	if err != nil && !errors.Is(err, ErrLeaseLost) {
 		return fmt.Errorf("store response: %w", err)

@@ -86,61 +86,97 @@ func (a *Attempt) insertKey(ctx context.Context) error {
 	return nil
 }
 
-// inTx runs fn in a SERIALIZABLE transaction, retried on serialization
-// failures like every phase's (Runner.inTx). If the key is not stored yet,
-// the transaction inserts it first, sent with BEGIN in one round trip, and
-// fn runs with the inserted row as the attempt's (a.id, a.tid).
-func (a *Attempt) inTx(ctx context.Context, fn func(tx pgx.Tx) error) error {
-	if a.stored {
-		return a.r.inTx(ctx, fn)
-	}
+// inTx runs body in a SERIALIZABLE transaction on a connection of its own
+// and commits it with the statement body returns (the key row's fenced
+// update), sent with COMMIT in one round trip. If the key is not stored
+// yet, the transaction inserts it first, sent with BEGIN, and body runs with
+// the inserted row as the attempt's (a.id, a.tid). Serialization failures
+// and deadlocks run the whole transaction again (Runner.retryTx); so does a
+// key row found moved, once, after locating it (Attempt.relocate).
+func (a *Attempt) inTx(ctx context.Context, body func(tx pgx.Tx) (commit func(q *db.Queries) error, err error)) error {
 	var sent time.Time
+	relocated := false
 	err := a.r.retryTx(ctx, func() error {
-		sent = time.Now()
-		return a.newKeyTxOnce(ctx, fn)
+		for {
+			sent = time.Now()
+			err := a.txOnce(ctx, body)
+			if !errors.Is(err, errRowMoved) || !a.stored || relocated {
+				return err
+			}
+			relocated = true
+			if err := a.relocate(ctx); err != nil {
+				return err
+			}
+		}
 	})
-	if err == nil {
+	if err != nil {
+		return err
+	}
+	if !a.stored {
 		a.committedKey(ctx, sent)
 	}
-	return err
+	a.leaseAt = sent
+	return nil
 }
 
-func (a *Attempt) newKeyTxOnce(ctx context.Context, fn func(tx pgx.Tx) error) (err error) {
+func (a *Attempt) txOnce(ctx context.Context, body func(tx pgx.Tx) (func(q *db.Queries) error, error)) error {
 	conn, err := a.r.pool.Acquire(ctx)
 	if err != nil {
 		return fmt.Errorf("acquire: %w", err)
 	}
 	defer conn.Release()
+	tx, err := a.begin(ctx, conn.Conn())
+	if err != nil {
+		return err
+	}
+	committed := false
+	defer func() {
+		if !committed {
+			a.r.rollback(ctx, tx) // a no-op when the batch ended the transaction
+		}
+	}()
+	commit, err := body(tx)
+	if err != nil {
+		if !a.stored {
+			a.id = 0 // rolled back: nothing of the insert is left to release
+		}
+		return err
+	}
+	// On an error here the COMMIT may have taken effect unseen: a.id stays,
+	// for the release.
+	err = commitWith(ctx, tx, commit)
+	committed = err == nil
+	return err
+}
+
+// begin starts the transaction: BEGIN alone, or for a key not stored yet,
+// BEGIN with the key's insert in one round trip.
+func (a *Attempt) begin(ctx context.Context, conn *pgx.Conn) (pgx.Tx, error) {
+	if a.stored {
+		tx, err := conn.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.Serializable})
+		if err != nil {
+			return nil, fmt.Errorf("begin: %w", err)
+		}
+		return tx, nil
+	}
 	params := a.insertParams()
-	tx, br, err := pgbatch.Begin(ctx, conn.Conn(), pgx.TxOptions{IsoLevel: pgx.Serializable}, func(b *pgx.Batch) error {
+	tx, br, err := pgbatch.Begin(ctx, conn, pgx.TxOptions{IsoLevel: pgx.Serializable}, func(b *pgx.Batch) error {
 		_, err := db.New(pgbatch.Queue{B: b}).InsertKey(ctx, params)
 		return err
 	})
 	if err != nil {
-		return fmt.Errorf("begin: %w", err)
+		return nil, fmt.Errorf("begin: %w", err)
 	}
-	defer func() {
-		if err != nil {
-			a.r.rollback(ctx, tx) // a no-op when the batch ended the transaction
-		}
-	}()
 	ins, err := db.New(pgbatch.Results{BR: br}).InsertKey(ctx, params)
 	if cerr := br.Close(); err == nil && cerr != nil {
 		err = cerr
 	}
 	if err != nil {
-		return a.insertFailed(ctx, err)
+		a.r.rollback(ctx, tx)
+		return nil, a.insertFailed(ctx, err)
 	}
 	a.inserted(ins)
-	if err := fn(tx); err != nil {
-		a.id = 0 // rolled back: nothing of the insert is left to release
-		return err
-	}
-	if err := tx.Commit(ctx); err != nil {
-		// It may have committed unseen: a.id stays, for the release.
-		return fmt.Errorf("commit: %w", err)
-	}
-	return nil
+	return tx, nil
 }
 
 // storeTerminal stores a terminal response the workflow returned without
@@ -154,9 +190,12 @@ func (a *Attempt) storeTerminal(ctx context.Context, resp Response) error {
 	a.at(txnhook.BeforeCommit, txnhook.CommitResponse, point, "")
 	var err error
 	if a.stored {
-		err = a.store(ctx, a.r.q, resp, point)
+		err = a.storeAlone(ctx, resp, point)
 	} else {
-		err = a.inTx(ctx, func(tx pgx.Tx) error { return a.store(ctx, a.r.q.WithTx(tx), resp, point) })
+		err = a.inTx(ctx, func(pgx.Tx) (func(q *db.Queries) error, error) { return a.storeStmt(ctx, resp, point) })
+		if err != nil && !errors.Is(err, ErrLeaseLost) {
+			err = fmt.Errorf("store response: %w", err)
+		}
 	}
 	if err != nil {
 		return err

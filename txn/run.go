@@ -207,26 +207,30 @@ func (r *Runner) runSingle(ctx context.Context, req request, fn Func) (resp Resp
 	return resp, true, nil
 }
 
-// commitWith sends the statement queue issues, then COMMIT, in one round
-// trip. The statement must fail (not match nothing) when its precondition
-// does not hold, since the COMMIT is already on its way: an error aborts the
-// transaction and turns the COMMIT into a no-op. tx must run on a connection
-// the caller acquired (not a pool transaction, which would wait for its own
-// Commit to release the connection); on success tx is committed and must not
-// be used again.
-func commitWith(ctx context.Context, tx pgx.Tx, queue func(q *db.Queries) error) error {
+// commitWith sends stmt's statement, then COMMIT, in one round trip. stmt
+// runs twice: on a queue (its results are zero; see pgbatch.Queue), then
+// on the batch's results (it reads the statement's). The statement must
+// fail (not match nothing) when its precondition does not hold, since the
+// COMMIT is already on its way: an error aborts the transaction and turns
+// the COMMIT into a no-op. A statement that failed with division_by_zero,
+// the way the key row's fenced updates fail when the row is not where the
+// attempt left it, gives errRowMoved. tx must run on a connection the
+// caller acquired (not a pool transaction, which would wait for its own
+// Commit to release the connection); on success tx is committed and must
+// not be used again.
+func commitWith(ctx context.Context, tx pgx.Tx, stmt func(q *db.Queries) error) error {
 	b := &pgx.Batch{}
-	if err := queue(db.New(pgbatch.Queue{B: b})); err != nil {
+	if err := stmt(db.New(pgbatch.Queue{B: b})); err != nil {
 		return err
 	}
 	b.Queue("commit")
 	br := tx.SendBatch(ctx, b)
-	if _, err := br.Exec(); err != nil {
+	if err := stmt(db.New(pgbatch.Results{BR: br})); err != nil {
 		_ = br.Close()
 		if pgerr.Code(err) == pgerr.DivisionByZero {
-			return fmt.Errorf("store response: the key row changed under the run (was it written by the function?): %w", err)
+			return fmt.Errorf("record: %w (was it written by the function?): %w", errRowMoved, err)
 		}
-		return fmt.Errorf("store response: %w", err)
+		return fmt.Errorf("record: %w", err)
 	}
 	tag, err := br.Exec()
 	if cerr := br.Close(); err == nil {
@@ -240,3 +244,7 @@ func commitWith(ctx context.Context, tx pgx.Tx, queue func(q *db.Queries) error)
 	}
 	return nil
 }
+
+// errRowMoved: a fenced update of the key row found it neither where the
+// attempt left it nor gone with the lease (see Attempt.relocate).
+var errRowMoved = errors.New("the key row is not where the attempt left it")

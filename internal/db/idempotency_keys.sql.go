@@ -15,6 +15,7 @@ import (
 
 const commitPhase = `-- name: CommitPhase :one
 
+WITH updated AS (
 UPDATE idempotency_keys
 SET recovery_point = $1::text,
     phase_results_raw = CASE WHEN phase_results_raw IS NULL OR length(phase_results_raw) <= 2
@@ -25,6 +26,8 @@ SET recovery_point = $1::text,
     last_run_at = now()
 WHERE ctid = $4 AND id = $5 AND lease_token = $6 AND status = 'running'
 RETURNING ctid
+)
+SELECT (SELECT ctid FROM updated)::tid AS ctid, (1 / (SELECT count(*) FROM updated))::integer AS found
 `
 
 type CommitPhaseParams struct {
@@ -34,6 +37,11 @@ type CommitPhaseParams struct {
 	Tid          pgtype.TID
 	ID           int64
 	LeaseToken   uuid.NullUUID
+}
+
+type CommitPhaseRow struct {
+	Ctid  pgtype.TID
+	Found int32
 }
 
 // Fenced updates. The lease holder addresses its row by ctid (a TID scan
@@ -46,8 +54,10 @@ type CommitPhaseParams struct {
 // comma-separated), appended to the phase_results_raw object (kept as
 // bytes: jsonb cannot hold every result a foreign call returns). The lease is extended from
 // clock_timestamp(), the time of this statement, so a phase that ran longer
-// than the lease still commits a live one.
-func (q *Queries) CommitPhase(ctx context.Context, arg CommitPhaseParams) (pgtype.TID, error) {
+// than the lease still commits a live one. It is sent in one round trip
+// with COMMIT, so it fails (division_by_zero), not matches nothing, when
+// the row is not where the attempt left it: the COMMIT then does nothing.
+func (q *Queries) CommitPhase(ctx context.Context, arg CommitPhaseParams) (CommitPhaseRow, error) {
 	row := q.db.QueryRow(ctx, commitPhase,
 		arg.Phase,
 		arg.Member,
@@ -56,9 +66,9 @@ func (q *Queries) CommitPhase(ctx context.Context, arg CommitPhaseParams) (pgtyp
 		arg.ID,
 		arg.LeaseToken,
 	)
-	var ctid pgtype.TID
-	err := row.Scan(&ctid)
-	return ctid, err
+	var i CommitPhaseRow
+	err := row.Scan(&i.Ctid, &i.Found)
+	return i, err
 }
 
 const deleteUnstartedKey = `-- name: DeleteUnstartedKey :execrows
@@ -167,6 +177,7 @@ func (q *Queries) ExtendLease(ctx context.Context, arg ExtendLeaseParams) (Exten
 }
 
 const finishKey = `-- name: FinishKey :one
+WITH updated AS (
 UPDATE idempotency_keys
 SET status = 'finished',
     phase_results_raw = CASE WHEN coalesce(length($1::bytea), 0) = 0 THEN phase_results_raw
@@ -185,6 +196,8 @@ SET status = 'finished',
 WHERE ctid = $6 AND id = $7 AND lease_token IS NOT DISTINCT FROM $8::uuid
   AND status = 'running'
 RETURNING ctid
+)
+SELECT (SELECT ctid FROM updated)::tid AS ctid, (1 / (SELECT count(*) FROM updated))::integer AS found
 `
 
 type FinishKeyParams struct {
@@ -198,10 +211,16 @@ type FinishKeyParams struct {
 	LeaseToken      uuid.NullUUID
 }
 
+type FinishKeyRow struct {
+	Ctid  pgtype.TID
+	Found int32
+}
+
 // Stores the terminal response and releases the lease, with the results of
 // foreign calls made since the last commit (member, as CommitPhase's; empty
-// for none).
-func (q *Queries) FinishKey(ctx context.Context, arg FinishKeyParams) (pgtype.TID, error) {
+// for none). Like CommitPhase, it fails (division_by_zero) when the row is
+// not where the attempt left it, so it can go out with COMMIT.
+func (q *Queries) FinishKey(ctx context.Context, arg FinishKeyParams) (FinishKeyRow, error) {
 	row := q.db.QueryRow(ctx, finishKey,
 		arg.Member,
 		arg.RecoveryPoint,
@@ -212,9 +231,9 @@ func (q *Queries) FinishKey(ctx context.Context, arg FinishKeyParams) (pgtype.TI
 		arg.ID,
 		arg.LeaseToken,
 	)
-	var ctid pgtype.TID
-	err := row.Scan(&ctid)
-	return ctid, err
+	var i FinishKeyRow
+	err := row.Scan(&i.Ctid, &i.Found)
+	return i, err
 }
 
 const finishSingleKey = `-- name: FinishSingleKey :exec

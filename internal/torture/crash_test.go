@@ -71,6 +71,34 @@ func (c *crashTracer) TraceQueryEnd(ctx context.Context, _ *pgx.Conn, data pgx.T
 	}
 }
 
+// A phase's last statement goes out with COMMIT in one batch: the batch is
+// the commit.
+type commitBatchKey struct{}
+
+func (c *crashTracer) TraceBatchStart(ctx context.Context, _ *pgx.Conn, data pgx.TraceBatchStartData) context.Context {
+	commits := false
+	for _, q := range data.Batch.QueuedQueries {
+		commits = commits || strings.EqualFold(q.SQL, "commit")
+	}
+	phase, _ := c.flow.phase.Load().(string)
+	if commits && c.point == "before_commit_"+phase {
+		kill()
+	}
+	if phase == "finish" && c.point == "after_foreign_before_record" {
+		kill()
+	}
+	return context.WithValue(ctx, commitBatchKey{}, commits)
+}
+
+func (c *crashTracer) TraceBatchQuery(context.Context, *pgx.Conn, pgx.TraceBatchQueryData) {}
+
+func (c *crashTracer) TraceBatchEnd(ctx context.Context, _ *pgx.Conn, data pgx.TraceBatchEndData) {
+	phase, _ := c.flow.phase.Load().(string)
+	if commits, _ := ctx.Value(commitBatchKey{}).(bool); commits && data.Err == nil && c.point == "after_commit_"+phase {
+		kill()
+	}
+}
+
 // killingPublisher publishes for real, then dies before the relay marks the row.
 type killingPublisher struct{ next outbox.Publisher }
 
