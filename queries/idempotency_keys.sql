@@ -243,10 +243,14 @@ SELECT pg_advisory_xact_lock(
 -- Frees the lease after a transient error; the recovery point stays, so a
 -- retry or the resumer continues from it, after the results of foreign calls
 -- made since the last commit (member, as CommitPhase's; empty for none),
--- phase the last of them. Runs in its own transaction.
+-- phase the last of them. They are recorded only if the key is still at
+-- point, the attempt's last commit: a later commit whose answer was lost
+-- recorded them already. Runs in its own transaction.
 UPDATE idempotency_keys
-SET recovery_point = CASE WHEN coalesce(length(@member::bytea), 0) = 0 THEN recovery_point ELSE @phase::text END,
-    phase_results_raw = CASE WHEN coalesce(length(@member::bytea), 0) = 0 THEN phase_results_raw
+SET recovery_point = CASE WHEN coalesce(length(@member::bytea), 0) = 0 OR recovery_point <> @point::text
+                          THEN recovery_point ELSE @phase::text END,
+    phase_results_raw = CASE WHEN coalesce(length(@member::bytea), 0) = 0 OR recovery_point <> @point::text
+                             THEN phase_results_raw
                              WHEN phase_results_raw IS NULL OR length(phase_results_raw) <= 2
                              THEN '{'::bytea || @member::bytea || '}'::bytea
                              ELSE overlay(phase_results_raw PLACING ','::bytea || @member::bytea || '}'::bytea

@@ -51,6 +51,7 @@ type Attempt struct {
 	// inserts the key with its first commit (see newkey.go); raced: that
 	// insert found the key taken by a concurrent attempt.
 	stored, raced bool
+	uncertain     bool      // a first commit may have taken effect unseen
 	reusedExpired bool      // the insert replaced a tombstone (ExpiredKeyNewOperation)
 	began         time.Time // when the attempt started: a first attempt's key is younger
 	leaseAt       time.Time // the last commit that set the lease began no earlier
@@ -104,11 +105,12 @@ func (a *Attempt) ForeignKey(phase string) string {
 }
 
 // unstarted reports that nothing took effect under the key yet: this
-// attempt inserted it (every takeover counts an attempt, and an earlier
-// attempt may have called a foreign system without recording it), no phase
-// committed and no foreign call was made.
+// attempt inserted it or will (every takeover counts an attempt, and an
+// earlier attempt may have called a foreign system without recording it),
+// no phase committed and no foreign call was made, and no first commit
+// whose outcome is unknown was sent.
 func (a *Attempt) unstarted() bool {
-	return a.number == 1 && a.point == pointStarted && !a.called
+	return a.number == 1 && a.point == pointStarted && !a.called && !a.uncertain
 }
 
 func (a *Attempt) enter(name string) error {
@@ -232,8 +234,9 @@ func runAtomic[T any](ctx context.Context, a *Attempt, name string, fn func(ctx 
 // Before calling fn, the lease is checked and extended, unless this attempt
 // created the key and its last commit began less than half a LeaseDuration
 // ago (and less than half of MaxAge after the attempt began): then the
-// lease is known to be held, and the key to be younger than MaxAge, without
-// asking. If the key is older than Config.MaxAge, fn is not called: the key
+// lease is known to be held for at least half a LeaseDuration more, and
+// the key to be younger than MaxAge, and a read (no commit) only checks
+// that the key row still holds this attempt's token and last phase. If the key is older than Config.MaxAge, fn is not called: the key
 // is failed with a stored problem response, which becomes the workflow's
 // answer. A Foreign phase that comes first inserts the key before the call.
 func Foreign[T any](ctx context.Context, a *Attempt, name string, fn func(ctx context.Context, foreignKey string) (T, error)) (T, error) {
@@ -254,10 +257,16 @@ func runForeign[T any](ctx context.Context, a *Attempt, name string, fn func(ctx
 			return zero, fmt.Errorf("txn: phase %q: %w", name, err)
 		}
 	}
-	if !a.leaseFresh() {
-		if err := a.extendLease(ctx, name); err != nil {
-			return zero, err
+	if a.leaseFresh() {
+		// Renewing the lease would cost a commit; a read still makes sure
+		// the key is where this attempt left it (a failover may have lost
+		// its last commit) and that the database is there to record the
+		// result: nothing is built on a commit that did not last.
+		if err := a.relocate(ctx); err != nil {
+			return zero, fmt.Errorf("txn: phase %q: check lease: %w", name, err)
 		}
+	} else if err := a.extendLease(ctx, name); err != nil {
+		return zero, err
 	}
 	if err := ctx.Err(); err != nil {
 		// Without a lease check, nothing else would notice before the call.

@@ -496,7 +496,7 @@ func TestAttemptStopsWhenAPhaseItCommittedIsLost(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, nil)
 	ctx := ctxT(t)
-	var firstRuns atomic.Int64
+	var firstRuns, calls atomic.Int64
 	lose := true
 	wf := txn.NewWorkflow("lossy", func(ctx context.Context, a *txn.Attempt) (txn.Response, error) {
 		id, err := txn.Atomic(ctx, a, "first", func(ctx context.Context, tx pgx.Tx) (int64, error) {
@@ -512,7 +512,10 @@ func TestAttemptStopsWhenAPhaseItCommittedIsLost(t *testing.T) {
 			_, err := e.Pool.Exec(ctx, `UPDATE idempotency_keys SET recovery_point = 'started', phase_results_raw = NULL`)
 			require.NoError(t, err)
 		}
-		if _, err := txn.Foreign(ctx, a, "charge", func(ctx context.Context, fk string) (string, error) { return "ch", nil }); err != nil {
+		if _, err := txn.Foreign(ctx, a, "charge", func(ctx context.Context, fk string) (string, error) {
+			calls.Add(1)
+			return "ch", nil
+		}); err != nil {
 			return txn.Response{}, err
 		}
 		return a.Finish(ctx, func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
@@ -522,6 +525,7 @@ func TestAttemptStopsWhenAPhaseItCommittedIsLost(t *testing.T) {
 	require.NoError(t, e.reg.Register(wf))
 	_, err := e.runner.RunWorkflow(ctx, rideKey("k1"), wf)
 	require.ErrorIs(t, err, txn.ErrLeaseLost)
+	require.Zero(t, calls.Load(), "no foreign call on top of the lost commit, though the lease is fresh")
 	require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM idempotency_keys WHERE status = 'running' AND recovery_point = 'started' AND lease_token IS NULL`),
 		"nothing built on the hole; the lease given back")
 

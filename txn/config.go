@@ -51,7 +51,9 @@ type Config struct {
 	// LeaseDuration is how long an attempt holds a workflow key before
 	// another attempt may take it over; each commit of the attempt extends
 	// it, and so does a Foreign phase once half of it has passed since.
-	// Make it longer than the slowest phase, foreign calls included.
+	// Make it longer than the slowest Atomic phase, and more than twice the
+	// slowest foreign call (a call may start half a lease after the commit
+	// that set it).
 	// Default: LeaseDurationDefault (90 seconds).
 	LeaseDuration time.Duration
 

@@ -146,6 +146,9 @@ func (a *Attempt) txOnce(ctx context.Context, body func(tx pgx.Tx) (func(q *db.Q
 	// for the release.
 	err = commitWith(ctx, tx, commit)
 	committed = err == nil
+	if err != nil && !a.stored && !pgerr.IsServerRejection(err) {
+		a.uncertain = true
+	}
 	return err
 }
 

@@ -220,7 +220,7 @@ func (r *Runner) newAttempt(req request, workflow string, id int64, seed pgtype.
 func (r *Runner) execute(ctx context.Context, a *Attempt, wf *Workflow) (Response, error) {
 	resp, err := guard(func() (Response, error) { return wf.fn(ctx, a) })
 	switch {
-	case a.raced:
+	case a.raced && !a.stored:
 		// Whatever the workflow made of the phase's error: nothing of this
 		// attempt is stored, and the key is someone else's.
 		return Response{}, errRaced
@@ -260,7 +260,7 @@ func (r *Runner) execute(ctx context.Context, a *Attempt, wf *Workflow) (Respons
 			// The lease is this attempt's (after a lost commit, too).
 			releaseErr = a.release(ctx, !errors.Is(err, errLostCommit))
 		}
-		if a.raced {
+		if a.raced && !a.stored {
 			return Response{}, errRaced // storing the response lost the insert
 		}
 		r.logFailure(ctx, a.req, wf.name, err, releaseErr)
@@ -300,25 +300,43 @@ func (a *Attempt) removeUnstarted(ctx context.Context) error {
 // An error means the key stays held until its lease expires (then a retry
 // or recovery takes it). A key this attempt never tried to insert has
 // nothing to release.
+//
+// A first commit that may have taken effect unseen (the key is not known to
+// be stored, yet its insert was sent) may still be committing on the
+// server: the release then first waits for the key's advisory lock, which
+// that transaction holds until it ends, so that it sees its outcome.
 func (a *Attempt) release(ctx context.Context, withPending bool) error {
 	if a.id == 0 {
 		return nil
 	}
-	p := db.ReleaseKeyParams{ID: a.id, LeaseToken: a.nullToken()}
+	p := db.ReleaseKeyParams{ID: a.id, LeaseToken: a.nullToken(), Point: a.point}
 	if withPending {
 		p.Member, p.Phase = a.pending, a.pendingPoint
 	}
-	return a.r.releaseKey(ctx, p)
+	if a.stored {
+		return a.r.releaseKey(ctx, a.r.q, p)
+	}
+	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), a.r.cfg.ReleaseTimeout)
+	defer cancel()
+	return pgx.BeginTxFunc(rctx, a.r.pool, pgx.TxOptions{IsoLevel: pgx.ReadCommitted}, func(tx pgx.Tx) error {
+		q := a.r.q.WithTx(tx)
+		if err := q.LockKey(rctx, db.LockKeyParams{Scope: a.req.key.Scope, Key: a.req.key.Value}); err != nil {
+			return fmt.Errorf("release key: %w", err)
+		}
+		return a.r.releaseKey(rctx, q, p)
+	})
 }
 
 func (r *Runner) releaseToken(ctx context.Context, id int64, token uuid.UUID) error {
-	return r.releaseKey(ctx, db.ReleaseKeyParams{ID: id, LeaseToken: uuid.NullUUID{UUID: token, Valid: true}})
+	return r.releaseKey(ctx, r.q, db.ReleaseKeyParams{ID: id, LeaseToken: uuid.NullUUID{UUID: token, Valid: true}})
 }
 
-func (r *Runner) releaseKey(ctx context.Context, p db.ReleaseKeyParams) error {
+// releaseKey runs ReleaseKey through q, on a fresh context bounded by
+// Config.ReleaseTimeout.
+func (r *Runner) releaseKey(ctx context.Context, q *db.Queries, p db.ReleaseKeyParams) error {
 	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.ReleaseTimeout)
 	defer cancel()
-	n, err := r.q.ReleaseKey(rctx, p)
+	n, err := q.ReleaseKey(rctx, p)
 	if err != nil {
 		return fmt.Errorf("release key: %w", err)
 	}

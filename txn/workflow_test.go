@@ -3,6 +3,7 @@ package txn_test
 import (
 	"context"
 	"errors"
+	"net/http"
 	"strconv"
 	"strings"
 	"sync"
@@ -890,9 +891,9 @@ func TestWorkflowFirstAttemptCommitsTwice(t *testing.T) {
 	require.False(t, k.LeaseHeld)
 	require.Equal(t, `{"ride_created":{"id":1,"amount":1250},"charge_created":"ch_1"}`, storedResults(t, e, "k1"))
 	// The read; BEGIN with the key insert; the phase's insert; the phase
-	// record with COMMIT; BEGIN; the final phase's insert; the response
-	// with COMMIT.
-	require.Equal(t, int64(7), qc.n.Load(), "round trips")
+	// record with COMMIT; the check before the call (a read); BEGIN; the
+	// final phase's insert; the response with COMMIT.
+	require.Equal(t, int64(8), qc.n.Load(), "round trips")
 
 	before := qc.n.Load()
 	again, err := r.RunWorkflow(ctx, rideKey("k1"), f.wf)
@@ -1056,4 +1057,76 @@ func TestMovedKeyRowIsFoundAgainAndThePhaseCommitsOnce(t *testing.T) {
 	require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM charges WHERE ref LIKE 'ch_%'`), "and committed once")
 	require.Equal(t, "finished", readKey(t, e.Pool, "user_1", "k1").Status)
 	require.Equal(t, `{"ride_created":{"id":1,"amount":1250},"charge_created":"ch_1"}`, storedResults(t, e, "k1"))
+}
+
+// A workflow that turns the error of an ambiguous first commit into a
+// rejection Config.Store does not store is not answered as if nothing took
+// effect: the commit may have stored the key and the phase. The attempt
+// finds the key there and resumes it, and the phase runs once.
+func TestRejectionAfterAnAmbiguousFirstCommitIsNotReturnedAsUnstarted(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	proxy, pool := e.NewProxy(t)
+	r, err := txn.New(pool, &txn.Config{Workflows: e.reg})
+	require.NoError(t, err)
+	var p1 atomic.Int64
+	wf := txn.NewWorkflow("rejects_on_error", func(ctx context.Context, a *txn.Attempt) (txn.Response, error) {
+		if _, err := txn.Atomic(ctx, a, "p1", func(ctx context.Context, tx pgx.Tx) (int, error) {
+			p1.Add(1)
+			_, err := tx.Exec(ctx, `INSERT INTO charges (ref, amount) VALUES ('p1', 1)`)
+			return 1, err
+		}); err != nil {
+			return txn.Response{Status: http.StatusConflict}, nil // not stored by DefaultStore
+		}
+		return a.Finish(ctx, func(ctx context.Context, tx pgx.Tx) (txn.Response, error) { return txn.JSON(201, "done") })
+	})
+	require.NoError(t, e.reg.Register(wf))
+
+	proxy.CutAfterNextCommit()
+	resp, err := r.RunWorkflow(ctx, rideKey("k1"), wf)
+	<-proxy.CommitCut()
+	if err == nil && resp.Status == http.StatusConflict {
+		require.Zero(t, e.Count(t, `SELECT count(*) FROM idempotency_keys`),
+			"an unstored rejection leaves no key, and nothing took effect")
+	}
+	require.Equal(t, int64(1), p1.Load(), "the phase ran once")
+	require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM charges WHERE ref = 'p1'`))
+	require.NoError(t, err)
+	require.Equal(t, 201, resp.Status, "the operation was resumed after its committed phase")
+	require.Equal(t, "finished", readKey(t, e.Pool, "user_1", "k1").Status)
+}
+
+// A later commit whose answer is lost may have recorded the pending
+// foreign results with it: the release after the error does not record
+// them again over it, and leaves the recovery point where that commit put
+// it.
+func TestReleaseAfterAnAmbiguousCommitDoesNotRecordForeignResultsTwice(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	proxy, pool := e.NewProxy(t)
+	r, err := txn.New(pool, &txn.Config{Workflows: e.reg})
+	require.NoError(t, err)
+	wf := txn.NewWorkflow("p1_f_p3", func(ctx context.Context, a *txn.Attempt) (txn.Response, error) {
+		if _, err := txn.Atomic(ctx, a, "p1", func(context.Context, pgx.Tx) (int, error) { return 1, nil }); err != nil {
+			return txn.Response{}, err
+		}
+		if _, err := txn.Foreign(ctx, a, "f", func(context.Context, string) (string, error) { return "ch", nil }); err != nil {
+			return txn.Response{}, err
+		}
+		proxy.CutAfterNextCommit()
+		if _, err := txn.Atomic(ctx, a, "p3", func(context.Context, pgx.Tx) (int, error) { return 3, nil }); err != nil {
+			return txn.Response{}, err
+		}
+		return a.Finish(ctx, func(ctx context.Context, tx pgx.Tx) (txn.Response, error) { return txn.JSON(201, "done") })
+	})
+	require.NoError(t, e.reg.Register(wf))
+	_, err = r.RunWorkflow(ctx, rideKey("k1"), wf)
+	require.Error(t, err, "p3's commit answer was cut")
+	<-proxy.CommitCut()
+	k := readKey(t, e.Pool, "user_1", "k1")
+	require.Equal(t, "p3", k.RecoveryPoint)
+	require.False(t, k.LeaseHeld)
+	require.Equal(t, `{"p1":1,"f":"ch","p3":3}`, storedResults(t, e, "k1"))
 }

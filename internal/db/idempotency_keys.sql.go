@@ -612,18 +612,21 @@ func (q *Queries) LookupWorkflowKey(ctx context.Context, arg LookupWorkflowKeyPa
 
 const releaseKey = `-- name: ReleaseKey :execrows
 UPDATE idempotency_keys
-SET recovery_point = CASE WHEN coalesce(length($1::bytea), 0) = 0 THEN recovery_point ELSE $2::text END,
-    phase_results_raw = CASE WHEN coalesce(length($1::bytea), 0) = 0 THEN phase_results_raw
+SET recovery_point = CASE WHEN coalesce(length($1::bytea), 0) = 0 OR recovery_point <> $2::text
+                          THEN recovery_point ELSE $3::text END,
+    phase_results_raw = CASE WHEN coalesce(length($1::bytea), 0) = 0 OR recovery_point <> $2::text
+                             THEN phase_results_raw
                              WHEN phase_results_raw IS NULL OR length(phase_results_raw) <= 2
                              THEN '{'::bytea || $1::bytea || '}'::bytea
                              ELSE overlay(phase_results_raw PLACING ','::bytea || $1::bytea || '}'::bytea
                                           FROM length(phase_results_raw) FOR 1) END,
     lease_token = NULL, leased_until = NULL, last_run_at = now()
-WHERE id = $3 AND lease_token = $4 AND status = 'running'
+WHERE id = $4 AND lease_token = $5 AND status = 'running'
 `
 
 type ReleaseKeyParams struct {
 	Member     []byte
+	Point      string
 	Phase      string
 	ID         int64
 	LeaseToken uuid.NullUUID
@@ -632,10 +635,13 @@ type ReleaseKeyParams struct {
 // Frees the lease after a transient error; the recovery point stays, so a
 // retry or the resumer continues from it, after the results of foreign calls
 // made since the last commit (member, as CommitPhase's; empty for none),
-// phase the last of them. Runs in its own transaction.
+// phase the last of them. They are recorded only if the key is still at
+// point, the attempt's last commit: a later commit whose answer was lost
+// recorded them already. Runs in its own transaction.
 func (q *Queries) ReleaseKey(ctx context.Context, arg ReleaseKeyParams) (int64, error) {
 	result, err := q.db.Exec(ctx, releaseKey,
 		arg.Member,
+		arg.Point,
 		arg.Phase,
 		arg.ID,
 		arg.LeaseToken,
