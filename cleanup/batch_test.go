@@ -39,14 +39,32 @@ func lockHolder(t *testing.T, tx pgx.Tx) int {
 	return pid
 }
 
-// waitForCleanerBlockedBy waits until a cleaner's delete waits on a lock
-// that the backend holder holds.
+// waitForCleanerBlockedBy waits until a cleaner's delete of keys waits on a
+// lock that the backend holder holds.
 func waitForCleanerBlockedBy(t *testing.T, d *pgtest.DB, holder int) {
+	t.Helper()
+	waitForStatementBlockedBy(t, d, holder, "DeleteExpiredKeys")
+}
+
+// waitForStatementBlockedBy waits until the statement named query (its sqlc
+// name) waits on a lock that the backend holder holds.
+func waitForStatementBlockedBy(t *testing.T, d *pgtest.DB, holder int, query string) {
 	t.Helper()
 	require.Eventually(t, func() bool {
 		return d.Count(t, `SELECT count(*) FROM pg_stat_activity
-			WHERE $1::int = ANY (pg_blocking_pids(pid)) AND query LIKE '%DeleteExpiredKeys%'`, holder) > 0
-	}, 10*time.Second, 5*time.Millisecond, "the cleaner never waited for the locked key")
+			WHERE $1::int = ANY (pg_blocking_pids(pid)) AND query LIKE '%' || $2 || '%'`, holder, query) > 0
+	}, 10*time.Second, 5*time.Millisecond, "the cleaner never waited for the locked row")
+}
+
+// insertTombstones inserts n tombstones (scope 'batch') of keys named
+// prefix1..prefixN whose expires_at is given by the SQL expression expires
+// (over i, 1..n).
+func insertTombstones(t *testing.T, d *pgtest.DB, prefix string, n int, expires string) {
+	t.Helper()
+	exec(t, d, `
+		INSERT INTO idempotency_key_tombstones (scope, key_hash, fingerprint, finished_at, response_status, expires_at)
+		SELECT 'batch', sha256(convert_to($1 || i, 'UTF8')), decode(repeat('ab', 32), 'hex'), now() - interval '40 days', 201, `+expires+`
+		FROM generate_series(1, $2::int) AS i`, prefix, n)
 }
 
 // A key some other session holds locked (nothing in atomicphase locks a
@@ -217,4 +235,61 @@ func TestBatchPauseSpacesBatchesAndAStopDuringAPauseIsPrompt(t *testing.T) {
 	require.Equal(t, cleanup.Report{KeysDeleted: batch, Batches: 1}, rep, "one batch, then the pause")
 	require.Equal(t, n-batch, d.Count(t, `SELECT count(*) FROM idempotency_keys`))
 	require.Equal(t, n+batch, d.Count(t, `SELECT count(*) FROM idempotency_key_tombstones`))
+}
+
+// A tombstone some other session holds locked is waited for and deleted,
+// not skipped until a later round; one whose expiry moved into the future
+// while the cleaner waited (as a newer deletion of its key would move it)
+// is kept.
+func TestCleanerWaitsForALockedExpiredTombstoneAndRechecksIt(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	d := pgtest.New(t)
+	const n = 30
+	insertTombstones(t, d, "k", n, "now() - interval '1 day' - i * interval '1 second'")
+
+	tx, err := d.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(ctx) }()
+	_, err = tx.Exec(ctx, `SELECT 1 FROM idempotency_key_tombstones WHERE key_hash = sha256(convert_to('k5', 'UTF8')) FOR UPDATE`)
+	require.NoError(t, err)
+	_, err = tx.Exec(ctx, `UPDATE idempotency_key_tombstones SET expires_at = now() + interval '30 days'
+		WHERE key_hash = sha256(convert_to('k9', 'UTF8'))`)
+	require.NoError(t, err)
+	holder := lockHolder(t, tx)
+
+	done, result := startRound(t, d, cleanup.Config{BatchSize: 100})
+	waitForStatementBlockedBy(t, d, holder, "DeleteExpiredTombstones")
+	select {
+	case <-done:
+		t.Fatal("the round ended while a tombstone it must delete was locked")
+	default:
+	}
+	require.NoError(t, tx.Commit(ctx))
+	rep, runErr := result()
+	require.NoError(t, runErr)
+	require.Equal(t, int64(n-1), rep.TombstonesDeleted)
+	require.Equal(t, 1, d.Count(t, `SELECT count(*) FROM idempotency_key_tombstones`))
+	require.Equal(t, 1, tombstoned(t, d, "k9"), "the tombstone renewed meanwhile is kept")
+}
+
+// Each batch of tombstones starts where the previous one stopped (the latest
+// expires_at it deleted); tombstones sharing one expiry across a batch
+// boundary (every tombstone a batch of keys leaves has the same one) are all
+// deleted, and unexpired ones are kept.
+func TestARoundDeletesTombstonesSharingAnExpiryAcrossBatches(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	d := pgtest.New(t)
+	insertTombstones(t, d, "early", 120, "now() - interval '3 days' - i * interval '1 millisecond'")
+	insertTombstones(t, d, "tied", 250, "date_trunc('second', now()) - interval '2 days'")
+	insertTombstones(t, d, "late", 130, "now() - interval '1 day' + i * interval '1 millisecond'")
+	insertTombstones(t, d, "live", 40, "now() + interval '1 hour' - i * interval '1 second'")
+
+	rep, err := newCleaner(t, d, cleanup.Config{BatchSize: 100}).RunOnce(ctx)
+	require.NoError(t, err)
+	require.Equal(t, int64(500), rep.TombstonesDeleted)
+	require.Equal(t, 5, rep.Batches)
+	require.Equal(t, 40, d.Count(t, `SELECT count(*) FROM idempotency_key_tombstones`))
+	require.Equal(t, 40, d.Count(t, `SELECT count(*) FROM idempotency_key_tombstones WHERE expires_at > now()`))
 }

@@ -101,9 +101,11 @@ func (c *Cleaner) RunOnce(ctx context.Context) (Report, error) {
 }
 
 func (c *Cleaner) runOnce(ctx context.Context) (rep Report, err error) {
-	// keysAfter is where the round's next batch of keys starts: the latest
-	// finished_at the previous one deleted (see DeleteExpiredKeys).
-	var keysAfter time.Time
+	// keysAfter and tombstonesAfter are where the round's next batch of
+	// keys and of tombstones starts: the latest finished_at and expires_at
+	// the previous one deleted (see DeleteExpiredKeys and
+	// DeleteExpiredTombstones).
+	var keysAfter, tombstonesAfter time.Time
 	steps := []struct {
 		op      string
 		deleted *int64
@@ -121,7 +123,14 @@ func (c *Cleaner) runOnce(ctx context.Context) (rep Report, err error) {
 			return row.Deleted, nil
 		}},
 		{"delete expired tombstones", &rep.TombstonesDeleted, func(ctx context.Context, q *db.Queries) (int64, error) {
-			return q.DeleteExpiredTombstones(ctx, int32(c.cfg.BatchSize))
+			row, err := q.DeleteExpiredTombstones(ctx, db.DeleteExpiredTombstonesParams{
+				After: tombstonesAfter, BatchSize: int32(c.cfg.BatchSize),
+			})
+			if err != nil {
+				return 0, err
+			}
+			tombstonesAfter = row.NextAfter
+			return row.Deleted, nil
 		}},
 		{"delete expired outbox messages", &rep.OutboxDeleted, func(ctx context.Context, q *db.Queries) (int64, error) {
 			return q.DeleteExpiredOutboxMessages(ctx, db.DeleteExpiredOutboxMessagesParams{

@@ -25,11 +25,11 @@
 //
 // A [Cleaner] deletes in batches of [Config.BatchSize] rows, one short
 // transaction per batch, oldest first, looping until a batch comes back
-// short. Within a round each batch of keys starts where the previous one
-// stopped, so a large backlog costs the same per batch at its end as at
-// its start; keys are deleted without first locking them (nothing else
-// locks a terminal key), and one that another session holds locked is
-// waited for rather than skipped. A stopped round leaves every batch either committed or rolled back.
+// short. Within a round each batch of keys, and of tombstones, starts where
+// the previous one stopped, so a large backlog costs the same per batch at
+// its end as at its start; keys and tombstones are deleted without first
+// locking them (nothing else locks a terminal key or a tombstone), and one
+// that another session holds locked is waited for rather than skipped. A stopped round leaves every batch either committed or rolled back.
 // Only one cleaner deletes at a time: each batch's transaction first takes a
 // transaction-scoped advisory lock (named after this installation's
 // idempotency_keys table, so installations in other schemas do not exclude

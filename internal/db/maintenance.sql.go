@@ -288,28 +288,57 @@ func (q *Queries) DeleteExpiredOutboxMessages(ctx context.Context, arg DeleteExp
 	return result.RowsAffected(), nil
 }
 
-const deleteExpiredTombstones = `-- name: DeleteExpiredTombstones :execrows
+const deleteExpiredTombstones = `-- name: DeleteExpiredTombstones :one
 WITH batch AS MATERIALIZED (
-    SELECT scope, key_hash
+    SELECT ctid
     FROM idempotency_key_tombstones
     WHERE expires_at <= now()
+      AND expires_at >= $1::timestamptz
     ORDER BY expires_at
-    LIMIT $1::integer
-    FOR UPDATE SKIP LOCKED
+    LIMIT $2::integer
+), deleted AS (
+    DELETE FROM idempotency_key_tombstones AS t
+    WHERE t.ctid = ANY (ARRAY(SELECT b.ctid FROM batch AS b))
+      AND t.expires_at <= now()
+    RETURNING t.expires_at
 )
-DELETE FROM idempotency_key_tombstones AS t
-USING batch AS b
-WHERE t.scope = b.scope AND t.key_hash = b.key_hash
+SELECT count(*)::bigint AS deleted, coalesce(max(expires_at), $1::timestamptz)::timestamptz AS next_after FROM deleted
 `
+
+type DeleteExpiredTombstonesParams struct {
+	After     time.Time
+	BatchSize int32
+}
+
+type DeleteExpiredTombstonesRow struct {
+	Deleted   int64
+	NextAfter time.Time
+}
 
 // Deletes up to batch_size tombstones past their expiry, oldest first: the
 // keys they stood for are free again.
-func (q *Queries) DeleteExpiredTombstones(ctx context.Context, batchSize int32) (int64, error) {
-	result, err := q.db.Exec(ctx, deleteExpiredTombstones, batchSize)
-	if err != nil {
-		return 0, err
-	}
-	return result.RowsAffected(), nil
+//
+// As in DeleteExpiredKeys, the batch is read without row locks and deleted
+// by ctid (a TID scan, where joining on the primary key probed it for each
+// row, at random places since it is keyed by a hash, and FOR UPDATE wrote a
+// lock record per row before the delete's own). Only the cleaner writes
+// tombstones, under the cleanup lock. A tombstone some other session does
+// lock is waited for, not skipped; one changed meanwhile is deleted only if
+// its new version is still expired (a newer deletion of its key renews it),
+// or left to the next round.
+//
+// after is where the previous batch of the round stopped (the latest
+// expires_at it deleted; the zero time for a round's first batch): the scan
+// starts there instead of walking again over the index entries of every
+// tombstone deleted earlier in the round. Nothing expired is left behind
+// below it: a tombstone's expires_at is set when it is written or renewed,
+// to a time after now(). The statement returns where the next batch starts:
+// this batch's latest expires_at, or after when it deleted nothing.
+func (q *Queries) DeleteExpiredTombstones(ctx context.Context, arg DeleteExpiredTombstonesParams) (DeleteExpiredTombstonesRow, error) {
+	row := q.db.QueryRow(ctx, deleteExpiredTombstones, arg.After, arg.BatchSize)
+	var i DeleteExpiredTombstonesRow
+	err := row.Scan(&i.Deleted, &i.NextAfter)
+	return i, err
 }
 
 const failStalledKeys = `-- name: FailStalledKeys :many

@@ -47,6 +47,7 @@ type IdempotencyKeyTombstone struct {
 	FinishedAt     time.Time
 	ResponseStatus pgtype.Int4
 	ExpiresAt      time.Time
+	Ctid           pgtype.TID
 }
 
 type InboxMessage struct {
