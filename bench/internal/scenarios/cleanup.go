@@ -38,6 +38,24 @@ func insertExpired(ctx context.Context, pool *pgxpool.Pool, n int) error {
 	return err
 }
 
+// insertExpiredTombstones adds n tombstones that expired a day ago, one
+// millisecond apart, in one statement, then analyzes the table and
+// checkpoints.
+func insertExpiredTombstones(ctx context.Context, pool *pgxpool.Pool, n int) error {
+	if _, err := pool.Exec(ctx, `
+		INSERT INTO idempotency_key_tombstones (scope, key_hash, fingerprint, finished_at, response_status, expires_at)
+		SELECT 'bench', sha256(convert_to('gone-' || lpad(g::text, 9, '0'), 'UTF8')), sha256(g::text::bytea),
+		       now() - interval '31 days', 201, now() - interval '1 day' - g * interval '1 millisecond'
+		FROM generate_series(1, $1::int) AS g`, n); err != nil {
+		return fmt.Errorf("insert expired tombstones: %w", err)
+	}
+	if _, err := pool.Exec(ctx, "ANALYZE idempotency_key_tombstones"); err != nil {
+		return err
+	}
+	_, err := pool.Exec(ctx, "CHECKPOINT")
+	return err
+}
+
 // RunCleanup runs scenario 5: the cleaner alone on n expired keys, then
 // Run's latency at c=8 with the same n expired keys present, without and
 // then with the cleaner deleting them.
@@ -85,6 +103,24 @@ func (s *Suite) RunCleanup(ctx context.Context) error {
 	}
 	t.Rows = append(t.Rows, Row{System: fmt.Sprintf("cleaner alone, rows/s (batch %d%s, %d batches, %.1f s)", batch, pace, rep.Batches, alone.Seconds()),
 		Throughput: rate, Ratio: math.NaN()})
+
+	// (a2) The cleaner alone on n expired tombstones, beside the n live
+	// ones (a) left: a steady state deletes as many tombstones a day as
+	// keys, 30 days later.
+	s.Progress("cleanup: inserting %d expired tombstones", n)
+	if err := insertExpiredTombstones(ctx, cl.pool, n); err != nil {
+		return err
+	}
+	t0 = time.Now()
+	repT, err := cleaner.RunOnce(ctx)
+	aloneT := time.Since(t0)
+	if err != nil {
+		return fmt.Errorf("cleanup of tombstones: %w", err)
+	}
+	rateT := float64(repT.TombstonesDeleted) / aloneT.Seconds()
+	s.Progress("cleanup alone: %d expired tombstones in %v (%.0f rows/s, %d batches)", repT.TombstonesDeleted, aloneT.Round(time.Millisecond), rateT, repT.Batches)
+	t.Rows = append(t.Rows, Row{System: fmt.Sprintf("cleaner alone on expired tombstones, rows/s (batch %d%s, %d batches, %.1f s)", batch, pace, repT.Batches, aloneT.Seconds()),
+		Throughput: rateT, Ratio: math.NaN()})
 
 	// (b) Run's latency with the expired keys present, no cleaner.
 	if err := reset(ctx, cl.pool); err != nil {
@@ -155,6 +191,7 @@ func (s *Suite) RunCleanup(ctx context.Context) error {
 		Goal{Text: "Run p99 during cleanup ≤ 1.5× without", Met: q <= 1.5, Got: fmt.Sprintf("%.2f×", q)})
 	t.Notes = append(t.Notes,
 		fmt.Sprintf("Expired keys: %d finished keys inserted with generate_series, finished two days ago (TTL 24 h), then ANALYZE and CHECKPOINT; cleanup.Cleaner.RunOnce with BatchSize %d and BatchPause %v (one DELETE statement per batch). The Run rows use a fresh table of %d expired keys.", n, batch, cleanerCfg.BatchPause, n2),
+		fmt.Sprintf("Expired tombstones: %d inserted with generate_series beside the %d live ones the first round left, expired a day ago, then ANALYZE and CHECKPOINT; a second RunOnce of the same cleaner.", n, rep.KeysDeleted),
 		"The 'during cleanup' window starts with the cleaner and ends when it finishes, or after two cell durations (at least 10 s), when the cleaner is stopped; every measured Run overlapped it.")
 	s.Tables = append(s.Tables, t)
 	return nil
