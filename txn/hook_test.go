@@ -57,9 +57,6 @@ func TestHookReportsEachCommitFromBothSidesAndEachForeignCall(t *testing.T) {
 	_, err := e.runner.RunWorkflow(ctxT(t), chargeKey("hooked-1", 1), wf)
 	require.NoError(t, err)
 
-	ev := func(p txnhook.Point, c txnhook.Commit, phase, fk, state string) seenAt {
-		return seenAt{txnhook.Event{Point: p, Commit: c, Phase: phase, Attempt: 1, ForeignKey: fk}, state}
-	}
 	// Two commits: the key goes in with the first phase, and the foreign
 	// result with the final one.
 	require.Equal(t, []seenAt{
@@ -72,6 +69,11 @@ func TestHookReportsEachCommitFromBothSidesAndEachForeignCall(t *testing.T) {
 	}, *seen)
 	require.NotEmpty(t, given)
 	require.Equal(t, `{"reserved":1,"charged":"ch_1"}`, storedResults(t, e, "hooked-1"))
+}
+
+// ev is a boundary of a first attempt, with the key's state seen there.
+func ev(p txnhook.Point, c txnhook.Commit, phase, fk, state string) seenAt {
+	return seenAt{txnhook.Event{Point: p, Commit: c, Phase: phase, Attempt: 1, ForeignKey: fk}, state}
 }
 
 // storedResults returns a key's stored phase results, as their bytes.
@@ -103,9 +105,6 @@ func TestHookReportsTheKeysOwnCommitBeforeAForeignPhaseThatComesFirst(t *testing
 	_, err := e.runner.RunWorkflow(ctxT(t), chargeKey("first-1", 1), wf)
 	require.NoError(t, err)
 
-	ev := func(p txnhook.Point, c txnhook.Commit, phase, fk, state string) seenAt {
-		return seenAt{txnhook.Event{Point: p, Commit: c, Phase: phase, Attempt: 1, ForeignKey: fk}, state}
-	}
 	require.Equal(t, []seenAt{
 		ev(txnhook.BeforeCommit, txnhook.CommitKey, "", "", ""),
 		ev(txnhook.AfterCommit, txnhook.CommitKey, "", "", "started running"),
