@@ -1,6 +1,7 @@
 package txn
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -100,13 +101,15 @@ func (a *Attempt) inTx(ctx context.Context, body func(tx pgx.Tx) (commit func(q 
 		for {
 			sent = time.Now()
 			err := a.txOnce(ctx, body)
-			if !errors.Is(err, errRowMoved) || !a.stored || relocated {
+			if !errors.Is(err, errRowMoved) || !a.stored {
 				return err
+			}
+			// Located where it is now: the lease lost, a lost commit, or
+			// the row moved (once; again is the function's doing).
+			if rerr := a.relocate(ctx); rerr != nil || relocated {
+				return cmp.Or(rerr, err)
 			}
 			relocated = true
-			if err := a.relocate(ctx); err != nil {
-				return err
-			}
 		}
 	})
 	if err != nil {

@@ -221,8 +221,15 @@ func (r *Runner) execute(ctx context.Context, a *Attempt, wf *Workflow) (Respons
 	resp, err := guard(func() (Response, error) { return wf.fn(ctx, a) })
 	switch {
 	case a.raced && !a.stored:
-		// Whatever the workflow made of the phase's error: nothing of this
-		// attempt is stored, and the key is someone else's.
+		// Whatever the workflow made of the phase's error, the key is
+		// someone else's; or this attempt's own, stored by a first commit
+		// whose answer was lost: give its lease back, so that the next look
+		// takes the key over and resumes it.
+		if a.uncertain {
+			if err := a.release(ctx, false); err != nil {
+				r.logFailure(ctx, a.req, wf.name, err, nil)
+			}
+		}
 		return Response{}, errRaced
 	case a.tooOld != nil:
 		// A Foreign phase found the key past MaxAge and failed it instead of

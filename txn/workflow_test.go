@@ -1040,36 +1040,47 @@ func TestMovedKeyRowIsFoundAgainAndThePhaseCommitsOnce(t *testing.T) {
 // finds the key there and resumes it, and the phase runs once.
 func TestRejectionAfterAnAmbiguousFirstCommitIsNotReturnedAsUnstarted(t *testing.T) {
 	t.Parallel()
-	e := newEnv(t, nil)
-	ctx := ctxT(t)
-	proxy, pool := e.NewProxy(t)
-	r, err := txn.New(pool, &txn.Config{Workflows: e.reg})
-	require.NoError(t, err)
-	var p1 atomic.Int64
-	wf := txn.NewWorkflow("rejects_on_error", func(ctx context.Context, a *txn.Attempt) (txn.Response, error) {
-		if _, err := txn.Atomic(ctx, a, "p1", func(ctx context.Context, tx pgx.Tx) (int, error) {
-			p1.Add(1)
-			_, err := tx.Exec(ctx, `INSERT INTO charges (ref, amount) VALUES ('p1', 1)`)
-			return 1, err
-		}); err != nil {
-			return txn.Response{Status: http.StatusConflict}, nil // not stored by DefaultStore
-		}
-		return a.Finish(ctx, func(ctx context.Context, tx pgx.Tx) (txn.Response, error) { return txn.JSON(201, "done") })
-	})
-	require.NoError(t, e.reg.Register(wf))
+	// The rejection is returned as it is, or through Finish (whose
+	// transaction tries to insert the key the lost commit stored).
+	for _, via := range []string{"return", "finish"} {
+		t.Run(via, func(t *testing.T) {
+			t.Parallel()
+			e := newEnv(t, nil)
+			ctx := ctxT(t)
+			proxy, pool := e.NewProxy(t)
+			r, err := txn.New(pool, &txn.Config{Workflows: e.reg})
+			require.NoError(t, err)
+			var p1 atomic.Int64
+			wf := txn.NewWorkflow("rejects_on_error", func(ctx context.Context, a *txn.Attempt) (txn.Response, error) {
+				if _, err := txn.Atomic(ctx, a, "p1", func(ctx context.Context, tx pgx.Tx) (int, error) {
+					p1.Add(1)
+					_, err := tx.Exec(ctx, `INSERT INTO charges (ref, amount) VALUES ('p1', 1)`)
+					return 1, err
+				}); err != nil {
+					reject := txn.Response{Status: http.StatusConflict} // not stored by DefaultStore
+					if via == "finish" {
+						return a.Finish(ctx, func(context.Context, pgx.Tx) (txn.Response, error) { return reject, nil })
+					}
+					return reject, nil
+				}
+				return a.Finish(ctx, func(ctx context.Context, tx pgx.Tx) (txn.Response, error) { return txn.JSON(201, "done") })
+			})
+			require.NoError(t, e.reg.Register(wf))
 
-	proxy.CutAfterNextCommit()
-	resp, err := r.RunWorkflow(ctx, rideKey("k1"), wf)
-	<-proxy.CommitCut()
-	if err == nil && resp.Status == http.StatusConflict {
-		require.Zero(t, e.Count(t, `SELECT count(*) FROM idempotency_keys`),
-			"an unstored rejection leaves no key, and nothing took effect")
+			proxy.CutAfterNextCommit()
+			resp, err := r.RunWorkflow(ctx, rideKey("k1"), wf)
+			<-proxy.CommitCut()
+			if err == nil && resp.Status == http.StatusConflict {
+				require.Zero(t, e.Count(t, `SELECT count(*) FROM idempotency_keys`),
+					"an unstored rejection leaves no key, and nothing took effect")
+			}
+			require.Equal(t, int64(1), p1.Load(), "the phase ran once")
+			require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM charges WHERE ref = 'p1'`))
+			require.NoError(t, err, "not in use by the attempt itself")
+			require.Equal(t, 201, resp.Status, "the operation was resumed after its committed phase")
+			require.Equal(t, "finished", readKey(t, e.Pool, "user_1", "k1").Status)
+		})
 	}
-	require.Equal(t, int64(1), p1.Load(), "the phase ran once")
-	require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM charges WHERE ref = 'p1'`))
-	require.NoError(t, err)
-	require.Equal(t, 201, resp.Status, "the operation was resumed after its committed phase")
-	require.Equal(t, "finished", readKey(t, e.Pool, "user_1", "k1").Status)
 }
 
 // A later commit whose answer is lost may have recorded the pending
