@@ -235,12 +235,6 @@ func (r *Runner) logNotStored(ctx context.Context, req request, workflow string,
 		"scope", req.key.Scope, "key", req.key.Value, "workflow", workflow, "response_status", status)
 }
 
-// inTx runs fn in a SERIALIZABLE transaction, retrying the whole transaction
-// on serialization failures and deadlocks with jittered exponential backoff.
-func (r *Runner) inTx(ctx context.Context, fn func(tx pgx.Tx) error) error {
-	return r.retryTx(ctx, func() error { return r.txOnce(ctx, fn) })
-}
-
 // retryTx runs once, a whole transaction, again after serialization failures
 // and deadlocks, with jittered exponential backoff, up to Config.MaxRetries
 // times (then ErrConflict).
@@ -261,25 +255,6 @@ func (r *Runner) retryTx(ctx context.Context, once func() error) error {
 			return err
 		}
 	}
-}
-
-func (r *Runner) txOnce(ctx context.Context, fn func(tx pgx.Tx) error) (err error) {
-	tx, err := r.pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.Serializable})
-	if err != nil {
-		return fmt.Errorf("begin: %w", err)
-	}
-	defer func() {
-		if err != nil {
-			r.rollback(ctx, tx)
-		}
-	}()
-	if err := fn(tx); err != nil {
-		return err
-	}
-	if err := tx.Commit(ctx); err != nil {
-		return fmt.Errorf("commit: %w", err)
-	}
-	return nil
 }
 
 // rollback ends tx on a context detached from the caller's, which may be done.
