@@ -235,8 +235,14 @@ func failoverOnce(t *testing.T, synchronous bool, seed uint64) {
 		// its retry was in flight): the retry runs it again, once, and
 		// its foreign call goes out under the key the lost run used.
 		for _, i := range lost {
-			resp, err := l.run(ctx, i)
-			require.NoError(t, err)
+			// 409 until the lease the lost attempt's last surviving commit
+			// set (1 s) expires, as for any client (see note).
+			var resp txn.Response
+			require.Eventually(t, func() bool {
+				resp, err = l.run(ctx, i)
+				require.True(t, err == nil || errors.Is(err, txn.ErrKeyInUse), "%v", err)
+				return err == nil
+			}, 10*time.Second, 50*time.Millisecond)
 			require.False(t, resp.Replayed, "the lost operation runs again")
 			resp, err = l.run(ctx, i)
 			require.NoError(t, err)
