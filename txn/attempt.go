@@ -524,19 +524,28 @@ func (a *Attempt) finish(ctx context.Context, fn Func) (Response, error) {
 // errNotStored rolls back a final phase whose response is not stored.
 var errNotStored = errors.New("response not stored")
 
-// storeStmt is the fenced statement that writes the terminal response and
-// releases the lease, with the results of foreign calls not committed yet.
-func (a *Attempt) storeStmt(ctx context.Context, resp Response, point string) (func(q *db.Queries) error, error) {
+// finishParams is the fenced FinishKey that writes the terminal response
+// and releases the lease, with the results of foreign calls not committed
+// yet, at the attempt's last known ctid.
+func (a *Attempt) finishParams(resp Response, point string) (db.FinishKeyParams, error) {
 	if err := resp.validate(); err != nil {
-		return nil, err
+		return db.FinishKeyParams{}, err
 	}
 	header, err := resp.encodedHeader()
 	if err != nil {
-		return nil, err
+		return db.FinishKeyParams{}, err
 	}
-	params := db.FinishKeyParams{
+	return db.FinishKeyParams{
 		Tid: a.tid, ID: a.id, LeaseToken: a.nullToken(), RecoveryPoint: point, Member: a.pending,
 		ResponseStatus: int4(resp.Status), ResponseHeaders: string(header), ResponseBody: resp.Body,
+	}, nil
+}
+
+// storeStmt is finishParams' statement, to go out with COMMIT.
+func (a *Attempt) storeStmt(ctx context.Context, resp Response, point string) (func(q *db.Queries) error, error) {
+	params, err := a.finishParams(resp, point)
+	if err != nil {
+		return nil, err
 	}
 	return func(q *db.Queries) error {
 		_, err := q.FinishKey(ctx, params)
@@ -544,20 +553,15 @@ func (a *Attempt) storeStmt(ctx context.Context, resp Response, point string) (f
 	}, nil
 }
 
-// storeAlone writes the terminal response on its own, fenced.
+// storeAlone runs finishParams' statement on its own, fenced.
 func (a *Attempt) storeAlone(ctx context.Context, resp Response, point string) error {
-	if err := resp.validate(); err != nil {
-		return err
-	}
-	header, err := resp.encodedHeader()
+	params, err := a.finishParams(resp, point)
 	if err != nil {
 		return err
 	}
 	_, err = a.fenced(ctx, func(tid pgtype.TID) (pgtype.TID, error) {
-		row, err := a.r.q.FinishKey(ctx, db.FinishKeyParams{
-			Tid: tid, ID: a.id, LeaseToken: a.nullToken(), RecoveryPoint: point, Member: a.pending,
-			ResponseStatus: int4(resp.Status), ResponseHeaders: string(header), ResponseBody: resp.Body,
-		})
+		params.Tid = tid
+		row, err := a.r.q.FinishKey(ctx, params)
 		return row.Ctid, err
 	})
 	if err != nil && !errors.Is(err, ErrLeaseLost) {

@@ -218,13 +218,7 @@ func (a *Attempt) storeTerminal(ctx context.Context, resp Response) error {
 // the server is seen (read committed: the DELETE's snapshot follows the
 // lock). It returns an error only if the removal failed.
 func (r *Runner) removeUnseenInsert(ctx context.Context, req request, token uuid.UUID) error {
-	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.ReleaseTimeout)
-	defer cancel()
-	err := pgx.BeginTxFunc(rctx, r.pool, pgx.TxOptions{IsoLevel: pgx.ReadCommitted}, func(tx pgx.Tx) error {
-		q := r.q.WithTx(tx)
-		if err := q.LockKey(rctx, db.LockKeyParams{Scope: req.key.Scope, Key: req.key.Value}); err != nil {
-			return err
-		}
+	err := r.underKeyLock(ctx, req, func(rctx context.Context, q *db.Queries) error {
 		n, err := q.DeleteUnstartedKey(rctx, db.DeleteUnstartedKeyParams{
 			Scope: req.key.Scope, Key: req.key.Value, LeaseToken: token,
 		})
@@ -239,4 +233,20 @@ func (r *Runner) removeUnseenInsert(ctx context.Context, req request, token uuid
 			r.cfg.LeaseDuration, err)
 	}
 	return nil
+}
+
+// underKeyLock runs fn in a READ COMMITTED transaction, on a fresh context
+// bounded by Config.ReleaseTimeout, after waiting for the key's advisory
+// lock: the one a key insert holds until its transaction ends, so that fn
+// sees the outcome of an insert still committing on the server.
+func (r *Runner) underKeyLock(ctx context.Context, req request, fn func(ctx context.Context, q *db.Queries) error) error {
+	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.ReleaseTimeout)
+	defer cancel()
+	return pgx.BeginTxFunc(rctx, r.pool, pgx.TxOptions{IsoLevel: pgx.ReadCommitted}, func(tx pgx.Tx) error {
+		q := r.q.WithTx(tx)
+		if err := q.LockKey(rctx, db.LockKeyParams{Scope: req.key.Scope, Key: req.key.Value}); err != nil {
+			return fmt.Errorf("wait for the key's insert: %w", err)
+		}
+		return fn(rctx, q)
+	})
 }

@@ -284,9 +284,7 @@ func (r *Runner) execute(ctx context.Context, a *Attempt, wf *Workflow) (Respons
 // the key is settled either way.
 func (a *Attempt) removeUnstarted(ctx context.Context) error {
 	if !a.stored {
-		// A failed first commit may have committed unseen (its lease then
-		// expires, and the phase it holds resumes): give the lease back.
-		return a.release(ctx, false)
+		return nil // never inserted: an uncertain first commit is not unstarted
 	}
 	dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), a.r.cfg.ReleaseTimeout)
 	defer cancel()
@@ -323,14 +321,8 @@ func (a *Attempt) release(ctx context.Context, withPending bool) error {
 	if a.stored {
 		return a.r.releaseKey(ctx, a.r.q, p)
 	}
-	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), a.r.cfg.ReleaseTimeout)
-	defer cancel()
-	return pgx.BeginTxFunc(rctx, a.r.pool, pgx.TxOptions{IsoLevel: pgx.ReadCommitted}, func(tx pgx.Tx) error {
-		q := a.r.q.WithTx(tx)
-		if err := q.LockKey(rctx, db.LockKeyParams{Scope: a.req.key.Scope, Key: a.req.key.Value}); err != nil {
-			return fmt.Errorf("release key: %w", err)
-		}
-		return a.r.releaseKey(rctx, q, p)
+	return a.r.underKeyLock(ctx, a.req, func(ctx context.Context, q *db.Queries) error {
+		return a.r.releaseKey(ctx, q, p)
 	})
 }
 
