@@ -28,7 +28,8 @@ type server struct {
 	*pgtest.DB
 	url   string
 	calls atomic.Int64
-	block chan struct{} // when set, handlers wait on it
+	held  atomic.Int64  // handlers whose insert (and so the key's) went out
+	block chan struct{} // when set, handlers wait on it after their insert
 	reg   *txn.Registry
 }
 
@@ -72,9 +73,6 @@ func newServerOn(t *testing.T, cfg *httpidem.Config, pool func(*pgtest.DB) *pgxp
 	mux := http.NewServeMux()
 	mux.Handle("POST /orders", mw.Wrap(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		s.calls.Add(1)
-		if s.block != nil {
-			<-s.block
-		}
 		var in struct {
 			SKU string `json:"sku"`
 		}
@@ -91,6 +89,10 @@ func newServerOn(t *testing.T, cfg *httpidem.Config, pool func(*pgtest.DB) *pgxp
 		if err := tx.QueryRow(r.Context(), `INSERT INTO orders (owner, sku) VALUES ($1, $2) RETURNING id`, r.Header.Get("Authorization"), in.SKU).Scan(&id); err != nil {
 			http.Error(w, err.Error(), 500)
 			return
+		}
+		s.held.Add(1)
+		if s.block != nil {
+			<-s.block
 		}
 		switch in.SKU {
 		case "declined":

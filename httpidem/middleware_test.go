@@ -76,13 +76,18 @@ func TestSameKeyWhileInFlightIs409WithRetryAfter(t *testing.T) {
 	s.block = make(chan struct{})
 	done := make(chan result, 1)
 	go func() { done <- s.do(t, "POST", "/orders", "alice", "k", `{"sku":"book"}`) }()
-	require.Eventually(t, func() bool { return s.calls.Load() == 1 }, 10*time.Second, 5*time.Millisecond)
+	// The key is taken with the handler's first statement.
+	require.Eventually(t, func() bool { return s.held.Load() == 1 }, 10*time.Second, 5*time.Millisecond)
 	r := s.do(t, "POST", "/orders", "alice", "k", `{"sku":"book"}`)
 	requireProblem(t, r, 409, "idempotency-key-in-use")
 	require.NotEmpty(t, r.header.Get("Retry-After"))
 	close(s.block)
 	require.Equal(t, 201, (<-done).status)
-	require.Equal(t, int64(1), s.calls.Load())
+	// The second handler ran up to its insert, which went out with the
+	// key's insert and never ran: the key was taken.
+	require.Equal(t, int64(2), s.calls.Load())
+	require.Equal(t, int64(1), s.held.Load())
+	require.Equal(t, 1, s.Count(t, `SELECT count(*) FROM orders`))
 }
 
 func TestOversizedBodyIs413AndNothingStored(t *testing.T) {

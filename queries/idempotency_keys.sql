@@ -1,13 +1,21 @@
 -- name: LookupKey :one
--- The request path's read: everything needed to replay or reject the call,
--- or to decide to take the key over (which returns the phase results).
--- lease_live is judged by the database clock.
-SELECT id, fingerprint, workflow, recovery_point, status,
-       (lease_token IS NOT NULL AND leased_until > now())::boolean AS lease_live,
-       coalesce(greatest(extract(epoch FROM leased_until - now()), 0), 0)::float8 AS lease_remaining_seconds,
-       attempts, response_status, response_headers, response_body
-FROM idempotency_keys
-WHERE scope = @scope AND key = @key;
+-- The request path's read: everything needed to replay or reject the call.
+-- lease_live is judged by the database clock. Always one row: for a missing
+-- key, id is NULL and new_id is the id the key will be inserted with
+-- (InsertSingleKey takes it back), so that a run knows its key's id before
+-- the insert, which waits for the function's first statement to go out
+-- with it; with reject_expired, expired tells whether the key was cleaned
+-- up, so that such a retry runs nothing. (The insert checks again, for a
+-- key cleaned up between the two.)
+SELECT k.id, k.fingerprint, k.workflow, k.recovery_point, k.status,
+       coalesce(k.lease_token IS NOT NULL AND k.leased_until > now(), false)::boolean AS lease_live,
+       coalesce(greatest(extract(epoch FROM k.leased_until - now()), 0), 0)::float8 AS lease_remaining_seconds,
+       k.attempts, k.response_status, k.response_headers, k.response_body,
+       CASE WHEN k.id IS NULL THEN nextval('idempotency_keys_id_seq') ELSE 0 END::bigint AS new_id,
+       CASE WHEN k.id IS NULL AND @reject_expired::boolean THEN atomicphase_key_tombstoned(@scope, @key)
+            ELSE false END::boolean AS expired
+FROM (SELECT 1) AS one
+LEFT JOIN idempotency_keys k ON k.scope = @scope AND k.key = @key;
 
 -- name: LookupWorkflowKey :one
 -- LookupKey for RunWorkflow: always one row. For a missing key, id is NULL
@@ -73,21 +81,36 @@ RETURNING id, ctid, foreign_key_seed,
 -- check before the function runs), but the row is inserted already terminal
 -- with a provisional 500, since nobody can see it before it commits with its
 -- real response. FinishSingleKey then changes only unindexed columns, a HOT
--- update, instead of rewriting the row and its index entries.
-INSERT INTO idempotency_keys (
-    scope, key, fingerprint, request_method, request_path, request_params_raw,
-    workflow, recovery_point, phase_results, status, attempts, created_at,
-    last_run_at, finished_at, response_status
+-- update, instead of rewriting the row and its index entries. The id is the
+-- one LookupKey allotted. When it goes out in one round trip with BEGIN and
+-- the function's first statement (must_insert), it must fail, not insert
+-- nothing, when the key is taken (1/count(*) raises division_by_zero): the
+-- error aborts the transaction before the function's statement runs, which
+-- could otherwise wait on the rows of the attempt that holds the key. Sent
+-- on its own (a run that lost the key's insert before tries again), it
+-- returns no row instead, which leaves no error in the server's log.
+WITH ins AS (
+    INSERT INTO idempotency_keys (
+        id, scope, key, fingerprint, request_method, request_path, request_params_raw,
+        workflow, recovery_point, phase_results, status, attempts, created_at,
+        last_run_at, finished_at, response_status
+    )
+    SELECT @id, @scope, @key, @fingerprint, @request_method, @request_path, @request_params::bytea,
+           '', 'finished', '{}'::jsonb, 'finished', 1, now(), now(), now(), 500
+    WHERE pg_try_advisory_xact_lock(
+        hashtextextended(length(@scope::text)::text || ':' || @scope::text || @key::text,
+                        'idempotency_keys'::regclass::oid::bigint))
+      AND (NOT @reject_expired::boolean OR atomicphase_refuse_tombstoned(@scope, @key))
+    ON CONFLICT (scope, key) DO NOTHING
+    RETURNING ctid,
+        (NOT @reject_expired::boolean AND atomicphase_key_tombstoned(@scope, @key))::boolean AS reused_expired
 )
-SELECT @scope, @key, @fingerprint, @request_method, @request_path, @request_params::bytea,
-       '', 'finished', '{}'::jsonb, 'finished', 1, now(), now(), now(), 500
-WHERE pg_try_advisory_xact_lock(
-    hashtextextended(length(@scope::text)::text || ':' || @scope::text || @key::text,
-                    'idempotency_keys'::regclass::oid::bigint))
-  AND (NOT @reject_expired::boolean OR atomicphase_refuse_tombstoned(@scope, @key))
-ON CONFLICT (scope, key) DO NOTHING
-RETURNING id, ctid,
-    (NOT @reject_expired::boolean AND atomicphase_key_tombstoned(@scope, @key))::boolean AS reused_expired;
+SELECT ins.ctid, coalesce(ins.reused_expired, false)::boolean AS reused_expired
+FROM (SELECT 1) AS one
+LEFT JOIN ins ON true
+WHERE CASE WHEN ins.ctid IS NOT NULL THEN true
+           WHEN @must_insert::boolean THEN 1 / (SELECT count(*)::integer FROM ins) = 1
+           ELSE false END;
 
 -- name: TakeOverKey :one
 -- Takes the lease of a running key whose lease is free or expired, with a new

@@ -78,6 +78,14 @@ func insertCharge(calls *atomic.Int64, ref string, amount int) txn.Func {
 	}
 }
 
+// takeKey is a function's first statement: the key's insert goes out with
+// it, so from then on the attempt holds the key. Before it, the attempt
+// holds nothing and a twin may take the key.
+func takeKey(ctx context.Context, tx pgx.Tx) error {
+	_, err := tx.Exec(ctx, `SELECT 1`)
+	return err
+}
+
 // keyRow is the stored state of one key, for assertions.
 type keyRow struct {
 	Status        string

@@ -20,9 +20,15 @@ type Func func(ctx context.Context, tx pgx.Tx) (Response, error)
 
 // Run runs fn for key. The key row, fn's writes and the stored response
 // commit together in one SERIALIZABLE transaction, so a single-phase Run
-// costs one commit, like the bare business transaction, and three round
-// trips besides fn's statements: a read of the key, BEGIN with the key
-// insert, the response with COMMIT.
+// costs one commit, like the bare business transaction, and two round
+// trips besides fn's statements: a read of the key, and the response with
+// COMMIT. BEGIN and the key's insert go out with fn's first statement.
+//
+// So the key is taken by fn's first statement, not before fn runs. A
+// concurrent call with the same key that takes it first wins: fn's first
+// statement then does not run (the transaction is aborted before it), and
+// Run answers as a retry would, ErrKeyInUse or the winner's replayed
+// response, whatever fn returned.
 //
 // fn may run more than once: when the transaction fails with a
 // serialization failure or a deadlock, it is rolled back and fn runs again,
@@ -66,21 +72,27 @@ func (r *Runner) runPublic(ctx context.Context, key Key, fn Func) (Response, err
 
 func (r *Runner) run(ctx context.Context, req request, fn Func) (Response, error) {
 	tries := 0
-	raced := false // the last insert lost to a concurrent attempt
+	raced := false     // the last insert lost to a concurrent attempt
+	contended := false // an insert lost: from then on, insert before fn runs
 	for {
 		if err := ctx.Err(); err != nil {
 			return Response{}, err
 		}
-		row, err := r.q.LookupKey(ctx, db.LookupKeyParams{Scope: req.key.Scope, Key: req.key.Value})
-		switch {
-		case err == nil:
+		row, err := r.q.LookupKey(ctx, db.LookupKeyParams{
+			Scope: req.key.Scope, Key: req.key.Value, RejectExpired: r.cfg.ExpiredKeyPolicy == ExpiredKeyReject,
+		})
+		if err != nil {
+			return Response{}, fmt.Errorf("look up key: %w", err)
+		}
+		if row.Expired {
+			return Response{}, r.expiredKey(ctx, req, "")
+		}
+		if row.ID.Valid {
 			resp, err := r.existing(ctx, req, "", row)
 			if errors.Is(err, errWait) {
 				continue
 			}
 			return resp, err
-		case !errors.Is(err, pgx.ErrNoRows):
-			return Response{}, fmt.Errorf("look up key: %w", err)
 		}
 		if raced {
 			// Lost the insert, yet no committed row: the other attempt's
@@ -92,7 +104,7 @@ func (r *Runner) run(ctx context.Context, req request, fn Func) (Response, error
 			continue
 		}
 
-		resp, stored, err := r.runSingle(ctx, req, fn)
+		resp, stored, err := r.runSingle(ctx, req, row.NewID, contended, fn)
 		switch {
 		case err == nil && !stored:
 			r.logNotStored(ctx, req, "", resp.Status)
@@ -103,7 +115,7 @@ func (r *Runner) run(ctx context.Context, req request, fn Func) (Response, error
 		case errors.Is(err, errRaced):
 			// Another attempt inserted the key after our lookup: committed
 			// (the next lookup sees it) or still in flight.
-			raced = true
+			raced, contended = true, true
 			continue
 		case pgerr.IsRetryable(err):
 			if tries >= r.cfg.MaxRetries {
@@ -127,10 +139,16 @@ func (r *Runner) run(ctx context.Context, req request, fn Func) (Response, error
 // lookup and our insert; the caller looks again.
 var errRaced = errors.New("key inserted concurrently")
 
-// runSingle runs fn once in a new transaction with the key's row. stored is
-// false when Config.Store rejected fn's response: the transaction was rolled
-// back and the response is returned as it is.
-func (r *Runner) runSingle(ctx context.Context, req request, fn Func) (resp Response, stored bool, err error) {
+// runSingle runs fn once in a new transaction with the key's row, inserted
+// as id. stored is false when Config.Store rejected fn's response: the
+// transaction was rolled back and the response is returned as it is.
+//
+// The key's insert goes out with fn's first statement, so a twin that
+// comes first costs fn's run up to that statement. eager (the run lost an
+// insert to a twin already, and may be waiting for it in a loop) sends the
+// insert before fn runs instead, so that a run that keeps losing runs
+// nothing of fn.
+func (r *Runner) runSingle(ctx context.Context, req request, id int64, eager bool, fn Func) (resp Response, stored bool, err error) {
 	// The connection is acquired explicitly so that the last statement and
 	// COMMIT can go out in one round trip (see commitWith).
 	conn, err := r.pool.Acquire(ctx)
@@ -138,40 +156,48 @@ func (r *Runner) runSingle(ctx context.Context, req request, fn Func) (resp Resp
 		return Response{}, false, fmt.Errorf("acquire: %w", err)
 	}
 	defer conn.Release()
-	// BEGIN goes out with the key insert, in one round trip.
+	// BEGIN and the key insert go out with fn's first statement, in one
+	// round trip (see lazyTx).
 	params := db.InsertSingleKeyParams{
-		Scope: req.key.Scope, Key: req.key.Value, Fingerprint: req.fingerprint,
+		MustInsert: !eager, ID: id, Scope: req.key.Scope, Key: req.key.Value, Fingerprint: req.fingerprint,
 		RequestMethod: req.key.Method, RequestPath: req.key.Path, RequestParams: req.params,
 		RejectExpired: r.cfg.ExpiredKeyPolicy == ExpiredKeyReject,
 	}
-	tx, br, err := pgbatch.Begin(ctx, conn.Conn(), pgx.TxOptions{IsoLevel: pgx.Serializable}, func(b *pgx.Batch) error {
-		_, err := db.New(pgbatch.Queue{B: b}).InsertSingleKey(ctx, params)
-		return err
+	var ins db.InsertSingleKeyRow
+	tx := newLazyTx(ctx, conn.Conn(), pgx.TxOptions{IsoLevel: pgx.Serializable}, opener{
+		queue: func(b *pgx.Batch) { _, _ = db.New(pgbatch.Queue{B: b}).InsertSingleKey(ctx, params) },
+		read: func(br pgx.BatchResults) (err error) {
+			ins, err = db.New(pgbatch.Results{BR: br}).InsertSingleKey(ctx, params)
+			switch {
+			case errors.Is(err, pgx.ErrNoRows), pgerr.Code(err) == pgerr.DivisionByZero:
+				return errRaced // held by an uncommitted attempt, or committed since our lookup
+			case err != nil:
+				return fmt.Errorf("insert key: %w", r.keyExpired(ctx, req, "", err))
+			}
+			return nil
+		},
 	})
-	if err != nil {
-		return Response{}, false, fmt.Errorf("begin: %w", err)
-	}
 	committed := false
 	defer func() {
 		if !committed {
-			r.rollback(ctx, tx) // a no-op when the batch ended the transaction
+			r.rollback(ctx, tx) // a no-op when the batch ended the transaction or none began
 		}
 	}()
-	ins, err := db.New(pgbatch.Results{BR: br}).InsertSingleKey(ctx, params)
-	if cerr := br.Close(); err == nil && cerr != nil {
-		err = cerr
+	if eager {
+		if err := tx.start(ctx); err != nil {
+			return Response{}, false, err
+		}
 	}
-	if errors.Is(err, pgx.ErrNoRows) {
-		return Response{}, false, errRaced // held by an uncommitted attempt, or committed since our lookup
-	}
-	if err != nil {
-		return Response{}, false, fmt.Errorf("insert key: %w", r.keyExpired(ctx, req, "", err))
+	utx := newUserTx(tx)
+	resp, err = guard(func() (Response, error) { return fn(phasectx.WithKeyID(ctx, id), utx) })
+	// The key insert's outcome comes first: a lost insert aborted the
+	// transaction, whatever fn made of its statements' errors.
+	if serr := tx.start(ctx); serr != nil {
+		return Response{}, false, serr
 	}
 	if ins.ReusedExpired {
 		r.noteExpiredReuse(ctx, req, "")
 	}
-	utx := newUserTx(tx)
-	resp, err = guard(func() (Response, error) { return fn(phasectx.WithKeyID(ctx, ins.ID), utx) })
 	if rerr := utx.retry(); rerr != nil {
 		return Response{}, false, rerr // whatever fn made of it
 	}
@@ -195,7 +221,7 @@ func (r *Runner) runSingle(ctx context.Context, req request, fn Func) (resp Resp
 	// By ctid: a TID scan takes no predicate lock on shared index pages.
 	err = commitWith(ctx, tx, func(q *db.Queries) error {
 		return q.FinishSingleKey(ctx, db.FinishSingleKeyParams{
-			Tid: ins.Ctid, ID: ins.ID,
+			Tid: ins.Ctid, ID: id,
 			ResponseStatus: int4(resp.Status), ResponseHeaders: string(header), ResponseBody: resp.Body,
 		})
 	})

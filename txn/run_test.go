@@ -91,10 +91,11 @@ func TestFinishedKeyReplaysByteForByteInOneRoundTrip(t *testing.T) {
 	require.Equal(t, uint64(1), r2.Stats().Replayed)
 }
 
-// A single-phase Run of a new key costs one round trip more than the
-// hand-written keyed transaction (the read of the key before it, which
-// answers a retry in one): the read, BEGIN with the key insert, the
-// function's statement, the response with COMMIT.
+// A single-phase Run of a new key whose function makes one statement costs
+// the round trips of the hand-written keyed transaction, with the read of
+// the key that answers a retry in one round trip besides: the read, BEGIN
+// with the key insert and the function's statement, the response with
+// COMMIT.
 func TestRunRoundTrips(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, nil)
@@ -107,11 +108,11 @@ func TestRunRoundTrips(t *testing.T) {
 		return qc.n.Load() - before
 	}
 
-	require.Equal(t, int64(4), roundTrips(func() {
+	require.Equal(t, int64(3), roundTrips(func() {
 		resp, err := r.Run(ctx, chargeKey("k1", 500), insertCharge(&calls, "c1", 500))
 		require.NoError(t, err)
 		require.False(t, resp.Replayed)
-	}), "first attempt: the read, BEGIN with the key insert, the function's insert, the response with COMMIT")
+	}), "first attempt: the read, BEGIN with the key insert and the function's insert, the response with COMMIT")
 	require.Equal(t, int64(1), roundTrips(func() {
 		resp, err := r.Run(ctx, chargeKey("k1", 500), insertCharge(&calls, "c1", 500))
 		require.NoError(t, err)
@@ -206,6 +207,10 @@ func TestSameKeyWithAnotherRequestIsKeyReused(t *testing.T) {
 	require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM charges`))
 }
 
+// holdLock is a function's first statement that waits for whoever holds
+// the same lock: a twin that ran it behind the holder would wait.
+const holdLock = `SELECT pg_advisory_xact_lock(4242)`
+
 func TestConcurrentAttemptGetsKeyInUseAtOnce(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, nil)
@@ -216,6 +221,9 @@ func TestConcurrentAttemptGetsKeyInUseAtOnce(t *testing.T) {
 	go func() {
 		_, err := e.runner.Run(ctx, chargeKey("k1", 500), func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
 			calls.Add(1)
+			if _, err := tx.Exec(ctx, holdLock); err != nil { // takes the key too
+				return txn.Response{}, err
+			}
 			close(entered)
 			<-release // holds the transaction (and the key) open
 			return insertCharge(&atomic.Int64{}, "c1", 500)(ctx, tx)
@@ -225,8 +233,17 @@ func TestConcurrentAttemptGetsKeyInUseAtOnce(t *testing.T) {
 	<-entered
 
 	// The holder's insert is uncommitted: the second caller must not wait
-	// on the unique index but answer ErrKeyInUse while the holder still holds.
-	_, err := e.runner.Run(ctx, chargeKey("k1", 500), insertCharge(&calls, "c2", 500))
+	// on the unique index, nor run its first statement behind the holder's
+	// lock, but answer ErrKeyInUse while the holder still holds.
+	twinCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	_, err := e.runner.Run(twinCtx, chargeKey("k1", 500), func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+		calls.Add(1)
+		if _, err := tx.Exec(ctx, holdLock); err != nil {
+			return txn.Response{}, err
+		}
+		return insertCharge(&atomic.Int64{}, "c2", 500)(ctx, tx)
+	})
 	require.ErrorIs(t, err, txn.ErrKeyInUse)
 	require.Equal(t, http.StatusConflict, txn.HTTPStatus(err))
 	var kse *txn.KeyStateError
@@ -237,7 +254,46 @@ func TestConcurrentAttemptGetsKeyInUseAtOnce(t *testing.T) {
 
 	close(release)
 	require.NoError(t, <-done)
-	require.Equal(t, int64(1), calls.Load())
+	require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM charges`))
+	require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM charges WHERE ref = 'c1'`))
+}
+
+// The key is taken by the transaction of the function's first statement,
+// which carries its insert: a twin that comes before it runs and commits,
+// and the first caller's function, rolled back, answers with the twin's
+// stored response. The operation happens once.
+func TestKeyIsTakenWithTheFunctionsFirstStatement(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	entered, release := make(chan struct{}), make(chan struct{})
+	var calls atomic.Int64
+	type result struct {
+		resp txn.Response
+		err  error
+	}
+	done := make(chan result, 1)
+	go func() {
+		resp, err := e.runner.Run(ctx, chargeKey("k1", 500), func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+			if calls.Add(1) == 1 {
+				close(entered)
+				<-release // no statement yet: nothing taken
+			}
+			return insertCharge(&atomic.Int64{}, "first", 500)(ctx, tx)
+		})
+		done <- result{resp, err}
+	}()
+	<-entered
+	twin, err := e.runner.Run(ctx, chargeKey("k1", 500), insertCharge(&calls, "twin", 500))
+	require.NoError(t, err)
+	require.False(t, twin.Replayed)
+	close(release)
+	first := <-done
+	require.NoError(t, first.err)
+	require.True(t, first.resp.Replayed, "the first caller's insert lost to the committed twin")
+	require.Equal(t, twin.Body, first.resp.Body)
+	require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM charges`))
+	require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM charges WHERE ref = 'twin'`))
 }
 
 func TestWaitModeBlocksUntilHolderFinishesThenReplays(t *testing.T) {
@@ -253,6 +309,9 @@ func TestWaitModeBlocksUntilHolderFinishesThenReplays(t *testing.T) {
 	done := make(chan result, 1)
 	go func() {
 		resp, err := e.runner.Run(ctx, chargeKey("k1", 500), func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+			if err := takeKey(ctx, tx); err != nil {
+				return txn.Response{}, err
+			}
 			close(entered)
 			<-release
 			return insertCharge(&calls, "c1", 500)(ctx, tx)
@@ -261,8 +320,9 @@ func TestWaitModeBlocksUntilHolderFinishesThenReplays(t *testing.T) {
 	}()
 	<-entered
 	waiter := make(chan result, 1)
+	var waiterCalls atomic.Int64
 	go func() {
-		resp, err := e.runner.Run(ctx, chargeKey("k1", 500), insertCharge(&calls, "c2", 500))
+		resp, err := e.runner.Run(ctx, chargeKey("k1", 500), insertCharge(&waiterCalls, "c2", 500))
 		waiter <- result{resp, err}
 	}()
 	select {
@@ -277,14 +337,21 @@ func TestWaitModeBlocksUntilHolderFinishesThenReplays(t *testing.T) {
 	require.True(t, second.resp.Replayed)
 	require.Equal(t, first.resp.Body, second.resp.Body)
 	require.Equal(t, int64(1), calls.Load())
+	// The waiter's function ran once, up to its first statement, whose key
+	// insert lost to the holder; from then on the waiter only waited.
+	require.Equal(t, int64(1), waiterCalls.Load())
+	require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM charges`))
 
-	// Waiting is bounded by ctx. The holder is inside its function, so its
-	// insert (and the key's advisory lock) is in place before the waiter
-	// starts; the waiter's deadline starts then too.
+	// Waiting is bounded by ctx. The holder's function has made its first
+	// statement, so its insert (and the key's advisory lock) is in place
+	// before the waiter starts; the waiter's deadline starts then too.
 	entered2, blocker := make(chan struct{}), make(chan struct{})
 	held := make(chan result, 1)
 	go func() {
 		resp, err := e.runner.Run(ctx, chargeKey("k2", 1), func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+			if err := takeKey(ctx, tx); err != nil {
+				return txn.Response{}, err
+			}
 			close(entered2)
 			<-blocker
 			return txn.Response{Status: 204}, nil
@@ -294,9 +361,10 @@ func TestWaitModeBlocksUntilHolderFinishesThenReplays(t *testing.T) {
 	<-entered2
 	short, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
 	defer cancel()
-	_, err := e.runner.Run(short, chargeKey("k2", 1), insertCharge(&calls, "c3", 1))
+	_, err := e.runner.Run(short, chargeKey("k2", 1), insertCharge(&waiterCalls, "c3", 1))
 	require.ErrorIs(t, err, context.DeadlineExceeded)
-	require.Equal(t, int64(1), calls.Load(), "the waiter ran nothing")
+	require.Equal(t, int64(2), waiterCalls.Load(), "the waiter's function ran once, and lost the key's insert")
+	require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM charges`), "the waiter wrote nothing")
 	close(blocker)
 	h := <-held
 	require.NoError(t, h.err)
@@ -371,7 +439,11 @@ func TestFiftyGoroutinesOnOneNewKeyRunItOnce(t *testing.T) {
 			defer wg.Done()
 			<-start
 			resp, err := e.runner.Run(ctx, chargeKey("k1", 700), func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
-				// Hold the key until the 49 other calls have had their answer.
+				// Take the key and hold it until the 49 other calls have had
+				// their answer.
+				if err := takeKey(ctx, tx); err != nil {
+					return txn.Response{}, err
+				}
 				for range 49 {
 					select {
 					case <-answered:
@@ -487,6 +559,9 @@ func TestSameKeyInAnotherSchemaIsIndependent(t *testing.T) {
 	done := make(chan error, 1)
 	go func() {
 		_, err := a.runner.Run(ctx, chargeKey("shared", 1), func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+			if err := takeKey(ctx, tx); err != nil {
+				return txn.Response{}, err
+			}
 			close(entered)
 			<-release
 			return txn.Response{Status: 201}, nil

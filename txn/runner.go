@@ -142,17 +142,17 @@ var errWait = errors.New("waited for holder")
 // existing decides what to do with a key that is already stored: replay it,
 // reject the call, or (for workflow keys, via the caller) resume it.
 func (r *Runner) existing(ctx context.Context, req request, workflow string, row db.LookupKeyRow) (Response, error) {
-	if string(row.Fingerprint) != string(req.fingerprint) || row.Workflow != workflow {
+	if string(row.Fingerprint) != string(req.fingerprint) || row.Workflow.String != workflow {
 		r.reused.Add(1)
 		r.log.Log(ctx, r.cfg.HitLogLevel, "idempotency key reused for a different request",
-			"scope", req.key.Scope, "key", req.key.Value, "status", row.Status)
-		return Response{}, &KeyStateError{Err: ErrKeyReused, Status: KeyStatus(row.Status), RecoveryPoint: row.RecoveryPoint}
+			"scope", req.key.Scope, "key", req.key.Value, "status", row.Status.String)
+		return Response{}, &KeyStateError{Err: ErrKeyReused, Status: KeyStatus(row.Status.String), RecoveryPoint: row.RecoveryPoint.String}
 	}
-	if row.Status != statusRunning {
-		return r.replay(ctx, req, row.Status, row.ResponseStatus.Int32, row.ResponseHeaders, row.ResponseBody)
+	if row.Status.String != statusRunning {
+		return r.replay(ctx, req, row.Status.String, row.ResponseStatus.Int32, row.ResponseHeaders, row.ResponseBody)
 	}
 	if row.LeaseLive || workflow == "" {
-		return Response{}, r.heldByOther(ctx, req, row.Status, row.RecoveryPoint, row.LeaseRemainingSeconds)
+		return Response{}, r.heldByOther(ctx, req, row.Status.String, row.RecoveryPoint.String, row.LeaseRemainingSeconds)
 	}
 	return Response{}, errResumable
 }

@@ -106,9 +106,9 @@ func (r *Runner) acquire(ctx context.Context, req request, workflow string, race
 		return r.newAttempt(req, workflow, 0, pgtype.Int8{Int64: row.Seed, Valid: true}, pgtype.TID{}, uuid.New(), 1, pointStarted, nil, nil)
 	}
 	resp, err := r.existing(ctx, req, workflow, db.LookupKeyRow{
-		ID: row.ID.Int64, Fingerprint: row.Fingerprint, Workflow: row.Workflow.String,
-		RecoveryPoint: row.RecoveryPoint.String, Status: row.Status.String,
-		LeaseLive: row.LeaseLive, LeaseRemainingSeconds: row.LeaseRemainingSeconds, Attempts: row.Attempts.Int32,
+		ID: row.ID, Fingerprint: row.Fingerprint, Workflow: row.Workflow,
+		RecoveryPoint: row.RecoveryPoint, Status: row.Status,
+		LeaseLive: row.LeaseLive, LeaseRemainingSeconds: row.LeaseRemainingSeconds, Attempts: row.Attempts,
 		ResponseStatus: row.ResponseStatus, ResponseHeaders: row.ResponseHeaders, ResponseBody: row.ResponseBody,
 	})
 	if !errors.Is(err, errResumable) {
@@ -173,6 +173,12 @@ func (r *Runner) keyExpired(ctx context.Context, req request, workflow string, e
 	if !pgerr.IsKeyExpired(err) {
 		return err
 	}
+	return r.expiredKey(ctx, req, workflow)
+}
+
+// expiredKey counts and logs a retry of a key that was cleaned up, and
+// returns ErrKeyExpired.
+func (r *Runner) expiredKey(ctx context.Context, req request, workflow string) error {
 	r.expiredRejected.Add(1)
 	r.log.Log(ctx, r.cfg.HitLogLevel, "key expired: it was used for an operation that finished and was cleaned up; nothing ran",
 		"scope", req.key.Scope, "key", req.key.Value, "workflow", workflow)

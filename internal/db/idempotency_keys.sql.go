@@ -352,23 +352,33 @@ func (q *Queries) InsertKey(ctx context.Context, arg InsertKeyParams) (InsertKey
 }
 
 const insertSingleKey = `-- name: InsertSingleKey :one
-INSERT INTO idempotency_keys (
-    scope, key, fingerprint, request_method, request_path, request_params_raw,
-    workflow, recovery_point, phase_results, status, attempts, created_at,
-    last_run_at, finished_at, response_status
+WITH ins AS (
+    INSERT INTO idempotency_keys (
+        id, scope, key, fingerprint, request_method, request_path, request_params_raw,
+        workflow, recovery_point, phase_results, status, attempts, created_at,
+        last_run_at, finished_at, response_status
+    )
+    SELECT $2, $3, $4, $5, $6, $7, $8::bytea,
+           '', 'finished', '{}'::jsonb, 'finished', 1, now(), now(), now(), 500
+    WHERE pg_try_advisory_xact_lock(
+        hashtextextended(length($3::text)::text || ':' || $3::text || $4::text,
+                        'idempotency_keys'::regclass::oid::bigint))
+      AND (NOT $9::boolean OR atomicphase_refuse_tombstoned($3, $4))
+    ON CONFLICT (scope, key) DO NOTHING
+    RETURNING ctid,
+        (NOT $9::boolean AND atomicphase_key_tombstoned($3, $4))::boolean AS reused_expired
 )
-SELECT $1, $2, $3, $4, $5, $6::bytea,
-       '', 'finished', '{}'::jsonb, 'finished', 1, now(), now(), now(), 500
-WHERE pg_try_advisory_xact_lock(
-    hashtextextended(length($1::text)::text || ':' || $1::text || $2::text,
-                    'idempotency_keys'::regclass::oid::bigint))
-  AND (NOT $7::boolean OR atomicphase_refuse_tombstoned($1, $2))
-ON CONFLICT (scope, key) DO NOTHING
-RETURNING id, ctid,
-    (NOT $7::boolean AND atomicphase_key_tombstoned($1, $2))::boolean AS reused_expired
+SELECT ins.ctid, coalesce(ins.reused_expired, false)::boolean AS reused_expired
+FROM (SELECT 1) AS one
+LEFT JOIN ins ON true
+WHERE CASE WHEN ins.ctid IS NOT NULL THEN true
+           WHEN $1::boolean THEN 1 / (SELECT count(*)::integer FROM ins) = 1
+           ELSE false END
 `
 
 type InsertSingleKeyParams struct {
+	MustInsert    bool
+	ID            int64
 	Scope         string
 	Key           string
 	Fingerprint   []byte
@@ -379,7 +389,6 @@ type InsertSingleKeyParams struct {
 }
 
 type InsertSingleKeyRow struct {
-	ID            int64
 	Ctid          pgtype.TID
 	ReusedExpired bool
 }
@@ -388,9 +397,18 @@ type InsertSingleKeyRow struct {
 // check before the function runs), but the row is inserted already terminal
 // with a provisional 500, since nobody can see it before it commits with its
 // real response. FinishSingleKey then changes only unindexed columns, a HOT
-// update, instead of rewriting the row and its index entries.
+// update, instead of rewriting the row and its index entries. The id is the
+// one LookupKey allotted. When it goes out in one round trip with BEGIN and
+// the function's first statement (must_insert), it must fail, not insert
+// nothing, when the key is taken (1/count(*) raises division_by_zero): the
+// error aborts the transaction before the function's statement runs, which
+// could otherwise wait on the rows of the attempt that holds the key. Sent
+// on its own (a run that lost the key's insert before tries again), it
+// returns no row instead, which leaves no error in the server's log.
 func (q *Queries) InsertSingleKey(ctx context.Context, arg InsertSingleKeyParams) (InsertSingleKeyRow, error) {
 	row := q.db.QueryRow(ctx, insertSingleKey,
+		arg.MustInsert,
+		arg.ID,
 		arg.Scope,
 		arg.Key,
 		arg.Fingerprint,
@@ -400,7 +418,7 @@ func (q *Queries) InsertSingleKey(ctx context.Context, arg InsertSingleKeyParams
 		arg.RejectExpired,
 	)
 	var i InsertSingleKeyRow
-	err := row.Scan(&i.ID, &i.Ctid, &i.ReusedExpired)
+	err := row.Scan(&i.Ctid, &i.ReusedExpired)
 	return i, err
 }
 
@@ -449,38 +467,49 @@ func (q *Queries) LockKey(ctx context.Context, arg LockKeyParams) error {
 }
 
 const lookupKey = `-- name: LookupKey :one
-SELECT id, fingerprint, workflow, recovery_point, status,
-       (lease_token IS NOT NULL AND leased_until > now())::boolean AS lease_live,
-       coalesce(greatest(extract(epoch FROM leased_until - now()), 0), 0)::float8 AS lease_remaining_seconds,
-       attempts, response_status, response_headers, response_body
-FROM idempotency_keys
-WHERE scope = $1 AND key = $2
+SELECT k.id, k.fingerprint, k.workflow, k.recovery_point, k.status,
+       coalesce(k.lease_token IS NOT NULL AND k.leased_until > now(), false)::boolean AS lease_live,
+       coalesce(greatest(extract(epoch FROM k.leased_until - now()), 0), 0)::float8 AS lease_remaining_seconds,
+       k.attempts, k.response_status, k.response_headers, k.response_body,
+       CASE WHEN k.id IS NULL THEN nextval('idempotency_keys_id_seq') ELSE 0 END::bigint AS new_id,
+       CASE WHEN k.id IS NULL AND $1::boolean THEN atomicphase_key_tombstoned($2, $3)
+            ELSE false END::boolean AS expired
+FROM (SELECT 1) AS one
+LEFT JOIN idempotency_keys k ON k.scope = $2 AND k.key = $3
 `
 
 type LookupKeyParams struct {
-	Scope string
-	Key   string
+	RejectExpired bool
+	Scope         string
+	Key           string
 }
 
 type LookupKeyRow struct {
-	ID                    int64
+	ID                    pgtype.Int8
 	Fingerprint           []byte
-	Workflow              string
-	RecoveryPoint         string
-	Status                string
+	Workflow              pgtype.Text
+	RecoveryPoint         pgtype.Text
+	Status                pgtype.Text
 	LeaseLive             bool
 	LeaseRemainingSeconds float64
-	Attempts              int32
+	Attempts              pgtype.Int4
 	ResponseStatus        pgtype.Int4
 	ResponseHeaders       json.RawMessage
 	ResponseBody          []byte
+	NewID                 int64
+	Expired               bool
 }
 
-// The request path's read: everything needed to replay or reject the call,
-// or to decide to take the key over (which returns the phase results).
-// lease_live is judged by the database clock.
+// The request path's read: everything needed to replay or reject the call.
+// lease_live is judged by the database clock. Always one row: for a missing
+// key, id is NULL and new_id is the id the key will be inserted with
+// (InsertSingleKey takes it back), so that a run knows its key's id before
+// the insert, which waits for the function's first statement to go out
+// with it; with reject_expired, expired tells whether the key was cleaned
+// up, so that such a retry runs nothing. (The insert checks again, for a
+// key cleaned up between the two.)
 func (q *Queries) LookupKey(ctx context.Context, arg LookupKeyParams) (LookupKeyRow, error) {
-	row := q.db.QueryRow(ctx, lookupKey, arg.Scope, arg.Key)
+	row := q.db.QueryRow(ctx, lookupKey, arg.RejectExpired, arg.Scope, arg.Key)
 	var i LookupKeyRow
 	err := row.Scan(
 		&i.ID,
@@ -494,6 +523,8 @@ func (q *Queries) LookupKey(ctx context.Context, arg LookupKeyParams) (LookupKey
 		&i.ResponseStatus,
 		&i.ResponseHeaders,
 		&i.ResponseBody,
+		&i.NewID,
+		&i.Expired,
 	)
 	return i, err
 }

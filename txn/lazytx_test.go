@@ -1,0 +1,137 @@
+package txn_test
+
+import (
+	"context"
+	"fmt"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+
+	"github.com/atomicphase/atomicphase/internal/phasectx"
+	"github.com/atomicphase/atomicphase/txn"
+)
+
+// Whatever a function's first statement is, the key's insert goes out
+// before it in the same transaction: the function knows its key's id
+// from the start (outbox messages record it), its writes commit with the
+// key, and the statements that can travel with BEGIN do, so the run costs
+// 3 round trips; the others cost one more.
+func TestEveryKindOfFirstStatementTakesTheKey(t *testing.T) {
+	t.Parallel()
+	insert := `INSERT INTO charges (ref, amount) VALUES ($1, 1)`
+	cases := []struct {
+		name       string
+		first      func(ctx context.Context, tx pgx.Tx, ref string) error
+		roundTrips int64
+	}{
+		{"exec", func(ctx context.Context, tx pgx.Tx, ref string) error {
+			_, err := tx.Exec(ctx, insert, ref)
+			return err
+		}, 3},
+		{"query_row", func(ctx context.Context, tx pgx.Tx, ref string) error {
+			var id int64
+			return tx.QueryRow(ctx, insert+` RETURNING id`, ref).Scan(&id)
+		}, 3},
+		{"query", func(ctx context.Context, tx pgx.Tx, ref string) error {
+			rows, err := tx.Query(ctx, insert+` RETURNING id`, ref)
+			if err != nil {
+				return err
+			}
+			ids, err := pgx.CollectRows(rows, pgx.RowTo[int64])
+			if err == nil && len(ids) != 1 {
+				err = fmt.Errorf("%d rows", len(ids))
+			}
+			return err
+		}, 3},
+		{"named_args", func(ctx context.Context, tx pgx.Tx, ref string) error {
+			_, err := tx.Exec(ctx, `INSERT INTO charges (ref, amount) VALUES (@ref, 1)`, pgx.NamedArgs{"ref": ref})
+			return err
+		}, 3},
+		{"exec_without_args", func(ctx context.Context, tx pgx.Tx, ref string) error {
+			// Two statements in one string: pgx sends it over the simple
+			// protocol, so it cannot travel with BEGIN.
+			_, err := tx.Exec(ctx, fmt.Sprintf(`SELECT 1; INSERT INTO charges (ref, amount) VALUES ('%s', 1)`, ref))
+			return err
+		}, 4},
+		{"exec_mode_option", func(ctx context.Context, tx pgx.Tx, ref string) error {
+			_, err := tx.Exec(ctx, insert, pgx.QueryExecModeSimpleProtocol, ref)
+			return err
+		}, 4},
+		{"send_batch", func(ctx context.Context, tx pgx.Tx, ref string) error {
+			b := &pgx.Batch{}
+			b.Queue(insert, ref)
+			return tx.SendBatch(ctx, b).Close()
+		}, 4},
+		{"copy_from", func(ctx context.Context, tx pgx.Tx, ref string) error {
+			_, err := tx.CopyFrom(ctx, pgx.Identifier{"charges"}, []string{"ref", "amount"},
+				pgx.CopyFromRows([][]any{{ref, int64(1)}}))
+			return err
+		}, 3}, // 4: the counter does not see COPY
+		{"conn", func(ctx context.Context, tx pgx.Tx, ref string) error {
+			_, err := tx.Conn().Exec(ctx, insert, ref)
+			return err
+		}, 4},
+		{"savepoint", func(ctx context.Context, tx pgx.Tx, ref string) error {
+			sp, err := tx.Begin(ctx)
+			if err != nil {
+				return err
+			}
+			if _, err := sp.Exec(ctx, insert, ref); err != nil {
+				return err
+			}
+			return sp.Commit(ctx)
+		}, 6},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			e := newEnv(t, nil)
+			ctx := ctxT(t)
+			r, qc := e.countingRunner(t, nil)
+			var keyID int64
+			before := qc.n.Load()
+			resp, err := r.Run(ctx, chargeKey("k1", 1), func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+				id, ok := phasectx.KeyID(ctx)
+				if !ok {
+					return txn.Response{}, fmt.Errorf("no key id")
+				}
+				keyID = id
+				if err := c.first(ctx, tx, "c1"); err != nil {
+					return txn.Response{}, err
+				}
+				var isolation string
+				if err := tx.QueryRow(ctx, `SHOW transaction_isolation`).Scan(&isolation); err != nil {
+					return txn.Response{}, err
+				}
+				return txn.JSON(201, map[string]string{"isolation": isolation})
+			})
+			require.NoError(t, err)
+			require.Equal(t, 201, resp.Status)
+			require.JSONEq(t, `{"isolation":"serializable"}`, string(resp.Body))
+			require.Equal(t, c.roundTrips+1, qc.n.Load()-before, "round trips, with the SHOW")
+			require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM charges WHERE ref = 'c1'`))
+			require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM idempotency_keys WHERE id = $1 AND key = 'k1' AND response_status = 201`, keyID),
+				"the key was inserted with the id the function was given")
+
+			again, err := r.Run(ctx, chargeKey("k1", 1), func(context.Context, pgx.Tx) (txn.Response, error) {
+				return txn.Response{}, fmt.Errorf("ran again")
+			})
+			require.NoError(t, err)
+			require.True(t, again.Replayed)
+		})
+	}
+}
+
+// A function that makes no statement still takes the key, when it returns.
+func TestFunctionWithoutStatementsStillTakesTheKey(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	resp, err := e.runner.Run(ctx, chargeKey("k1", 1), func(context.Context, pgx.Tx) (txn.Response, error) {
+		return txn.Response{Status: 204}, nil
+	})
+	require.NoError(t, err)
+	require.Equal(t, 204, resp.Status)
+	require.Equal(t, 204, *readKey(t, e.Pool, "acct_1", "k1").RespStatus)
+}
