@@ -7,6 +7,8 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
+
+	"github.com/atomicphase/atomicphase/internal/pgbatch"
 )
 
 // lazyTx is a transaction whose BEGIN, and the statement that must open it
@@ -35,7 +37,8 @@ type lazyTx struct {
 }
 
 // opener is the statement that opens a lazyTx: queue adds it to the batch
-// after BEGIN, read reads its result from the batch's results.
+// after BEGIN, read reads its result from the batch's results. The zero
+// opener opens with BEGIN alone.
 type opener struct {
 	queue func(b *pgx.Batch)
 	read  func(br pgx.BatchResults) error
@@ -60,23 +63,26 @@ func (l *lazyTx) start(ctx context.Context) error {
 // the batch positioned at that statement's result; the caller reads it and
 // closes the batch.
 func (l *lazyTx) send(ctx context.Context, sql *string, args []any) (pgx.BatchResults, error) {
-	b := &pgx.Batch{}
-	b.BeginTx(l.opts)
-	l.lead.queue(b)
-	if sql != nil {
-		b.Queue(*sql, args...)
-	}
-	br := l.conn.SendBatch(ctx, b)
-	if _, err := br.Exec(); err != nil {
-		_ = br.Close()
+	tx, br, err := pgbatch.Begin(ctx, l.conn, l.opts, func(b *pgx.Batch) error {
+		if l.lead.queue != nil {
+			l.lead.queue(b)
+		}
+		if sql != nil {
+			b.Queue(*sql, args...)
+		}
+		return nil
+	})
+	if err != nil {
 		l.err = fmt.Errorf("begin: %w", err)
 		return nil, l.err
 	}
-	l.tx = br.Tx()
-	if err := l.lead.read(br); err != nil {
-		_ = br.Close()
-		l.err = err
-		return nil, err
+	l.tx = tx
+	if l.lead.read != nil {
+		if err := l.lead.read(br); err != nil {
+			_ = br.Close()
+			l.err = err
+			return nil, err
+		}
 	}
 	if sql == nil {
 		if err := br.Close(); err != nil {

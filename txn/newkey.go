@@ -128,17 +128,23 @@ func (a *Attempt) txOnce(ctx context.Context, body func(tx pgx.Tx) (func(q *db.Q
 		return fmt.Errorf("acquire: %w", err)
 	}
 	defer conn.Release()
-	tx, err := a.begin(ctx, conn.Conn())
-	if err != nil {
-		return err
-	}
+	tx := a.newTx(ctx, conn.Conn())
 	committed := false
 	defer func() {
 		if !committed {
-			a.r.rollback(ctx, tx) // a no-op when the batch ended the transaction
+			a.r.rollback(ctx, tx) // a no-op when the batch ended the transaction or none began
 		}
 	}()
+	if !a.stored {
+		// The key's insert, before the phase runs.
+		if err := tx.start(ctx); err != nil {
+			return err
+		}
+	}
 	commit, err := body(tx)
+	if serr := tx.start(ctx); serr != nil {
+		err = serr // BEGIN failed: that is what the phase met, whatever it made of it
+	}
 	if err != nil {
 		if !a.stored {
 			a.id = 0 // rolled back: nothing of the insert is left to release
@@ -155,34 +161,27 @@ func (a *Attempt) txOnce(ctx context.Context, body func(tx pgx.Tx) (func(q *db.Q
 	return err
 }
 
-// begin starts the transaction: BEGIN alone, or for a key not stored yet,
-// BEGIN with the key's insert in one round trip.
-func (a *Attempt) begin(ctx context.Context, conn *pgx.Conn) (pgx.Tx, error) {
+// newTx returns the phase's transaction. For a stored key, BEGIN goes out
+// with the phase's first statement (see lazyTx); for a key not stored yet,
+// it goes out with the key's insert, which txOnce sends before the phase
+// runs.
+func (a *Attempt) newTx(ctx context.Context, conn *pgx.Conn) *lazyTx {
+	opts := pgx.TxOptions{IsoLevel: pgx.Serializable}
 	if a.stored {
-		tx, err := conn.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.Serializable})
-		if err != nil {
-			return nil, fmt.Errorf("begin: %w", err)
-		}
-		return tx, nil
+		return newLazyTx(ctx, conn, opts, opener{})
 	}
 	params := a.insertParams()
-	tx, br, err := pgbatch.Begin(ctx, conn, pgx.TxOptions{IsoLevel: pgx.Serializable}, func(b *pgx.Batch) error {
-		_, err := db.New(pgbatch.Queue{B: b}).InsertKey(ctx, params)
-		return err
+	return newLazyTx(ctx, conn, opts, opener{
+		queue: func(b *pgx.Batch) { _, _ = db.New(pgbatch.Queue{B: b}).InsertKey(ctx, params) },
+		read: func(br pgx.BatchResults) error {
+			ins, err := db.New(pgbatch.Results{BR: br}).InsertKey(ctx, params)
+			if err != nil {
+				return a.insertFailed(ctx, err)
+			}
+			a.inserted(ins)
+			return nil
+		},
 	})
-	if err != nil {
-		return nil, fmt.Errorf("begin: %w", err)
-	}
-	ins, err := db.New(pgbatch.Results{BR: br}).InsertKey(ctx, params)
-	if cerr := br.Close(); err == nil && cerr != nil {
-		err = cerr
-	}
-	if err != nil {
-		a.r.rollback(ctx, tx)
-		return nil, a.insertFailed(ctx, err)
-	}
-	a.inserted(ins)
-	return tx, nil
 }
 
 // storeTerminal stores a terminal response the workflow returned without
