@@ -74,6 +74,7 @@ func (r *Runner) run(ctx context.Context, req request, fn Func) (Response, error
 	tries := 0
 	raced := false     // the last insert lost to a concurrent attempt
 	contended := false // an insert lost: from then on, insert before fn runs
+	waited := false    // the call waited for the key's holder (Config.WaitWhenInUse)
 	for {
 		if err := ctx.Err(); err != nil {
 			return Response{}, err
@@ -90,6 +91,7 @@ func (r *Runner) run(ctx context.Context, req request, fn Func) (Response, error
 		if row.ID.Valid {
 			resp, err := r.existing(ctx, req, "", row)
 			if errors.Is(err, errWait) {
+				waited = r.noteWait(ctx, req, "", waited)
 				continue
 			}
 			return resp, err
@@ -101,6 +103,7 @@ func (r *Runner) run(ctx context.Context, req request, fn Func) (Response, error
 			if err := r.inFlight(ctx, req); err != nil {
 				return Response{}, err
 			}
+			waited = r.noteWait(ctx, req, "", waited)
 			continue
 		}
 

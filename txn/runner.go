@@ -28,6 +28,7 @@ type Stats struct {
 	Executed  uint64 // operations run to a stored terminal response by this runner
 	Replayed  uint64 // stored responses returned without running anything
 	InUse     uint64 // calls answered ErrKeyInUse
+	Waited    uint64 // calls that waited for another attempt's key (Config.WaitWhenInUse), once per call
 	Reused    uint64 // calls answered ErrKeyReused
 	Conflicts uint64 // phases abandoned with ErrConflict after retries
 	Retries   uint64 // phase retries after serialization failures or deadlocks
@@ -47,8 +48,8 @@ type Runner struct {
 	cfg  Config
 	log  *slog.Logger
 
-	executed, replayed, inUse, reused, conflicts, retries, leaseLost, released, notStored, tooOld atomic.Uint64
-	expiredRejected, expiredReused                                                                atomic.Uint64
+	executed, replayed, inUse, waited, reused, conflicts, retries, leaseLost, released, notStored, tooOld atomic.Uint64
+	expiredRejected, expiredReused                                                                        atomic.Uint64
 
 	maxAgeBody []byte         // the problem body stored for a key failed past MaxAge
 	retry      backoff.Policy // the wait before a phase's retry
@@ -96,6 +97,7 @@ func (r *Runner) Stats() Stats {
 		Executed:  r.executed.Load(),
 		Replayed:  r.replayed.Load(),
 		InUse:     r.inUse.Load(),
+		Waited:    r.waited.Load(),
 		Reused:    r.reused.Load(),
 		Conflicts: r.conflicts.Load(),
 		Retries:   r.retries.Load(),
@@ -181,6 +183,17 @@ func (r *Runner) heldByOther(ctx context.Context, req request, status, point str
 		return errWait
 	}
 	return r.inUseError(ctx, req, status, point, remaining)
+}
+
+// noteWait counts and logs, once per call, that the call waits for the
+// key's holder; already says whether it did so before. It returns true.
+func (r *Runner) noteWait(ctx context.Context, req request, workflow string, already bool) bool {
+	if !already {
+		r.waited.Add(1)
+		r.log.Log(ctx, r.cfg.HitLogLevel, "idempotency key in use; waiting for its holder",
+			"scope", req.key.Scope, "key", req.key.Value, "workflow", workflow)
+	}
+	return true
 }
 
 func (r *Runner) inUseError(ctx context.Context, req request, status, point string, remaining float64) error {

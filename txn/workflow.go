@@ -59,7 +59,8 @@ func (r *Runner) runWorkflow(ctx context.Context, key Key, wf *Workflow) (Respon
 	if err != nil {
 		return Response{}, fmt.Errorf("txn: run workflow %q: %w", wf.name, err)
 	}
-	raced := false // the last attempt lost the key's insert to a concurrent one
+	raced := false  // the last attempt lost the key's insert to a concurrent one
+	waited := false // the call waited for the key's holder (Config.WaitWhenInUse)
 	for {
 		if err := ctx.Err(); err != nil {
 			return Response{}, fmt.Errorf("txn: run workflow %q: %w", wf.name, err)
@@ -67,6 +68,7 @@ func (r *Runner) runWorkflow(ctx context.Context, key Key, wf *Workflow) (Respon
 		a, resp, err := r.acquire(ctx, req, wf.name, raced)
 		raced = false
 		if errors.Is(err, errWait) {
+			waited = r.noteWait(ctx, req, wf.name, waited)
 			continue
 		}
 		if err != nil {

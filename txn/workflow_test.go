@@ -968,7 +968,8 @@ func TestTwinOfAnUncommittedFirstPhaseIsKeyInUseOrWaits(t *testing.T) {
 		assert.NoError(t, err)
 		waited <- resp
 	}()
-	time.Sleep(50 * time.Millisecond) // the waiter polls the uncommitted key
+	// The waiter polls the uncommitted key: only then is the holder let go.
+	require.Eventually(t, func() bool { return waiter.Stats().Waited == 1 }, 10*time.Second, time.Millisecond)
 	close(release)
 	require.NoError(t, <-first)
 	resp := <-waited
