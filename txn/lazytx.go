@@ -198,7 +198,7 @@ func (l *lazyTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
 }
 
 func (l *lazyTx) LargeObjects() pgx.LargeObjects {
-	_ = l.start(l.ctx) // the error stays for the transaction's end to report
+	l.startOrClose()
 	if l.tx == nil {
 		return pgx.LargeObjects{}
 	}
@@ -215,8 +215,20 @@ func (l *lazyTx) Prepare(ctx context.Context, name, sql string) (*pgconn.Stateme
 // Conn starts the transaction, so that statements run on the connection
 // directly run inside it, as they do on any pgx.Tx's connection.
 func (l *lazyTx) Conn() *pgx.Conn {
-	_ = l.start(l.ctx) // the error stays for the transaction's end to report
+	l.startOrClose()
 	return l.conn
+}
+
+// startOrClose starts the transaction for a caller that takes the
+// connection itself. If no transaction could begin (BEGIN never went out,
+// for example because the context was done), the connection is closed: a
+// statement run on it would otherwise commit on its own, without the key.
+// The start's error stays for the transaction's end to report, and the
+// pool discards the closed connection.
+func (l *lazyTx) startOrClose() {
+	if err := l.start(l.ctx); err != nil && l.tx == nil {
+		_ = l.conn.Close(context.WithoutCancel(l.ctx))
+	}
 }
 
 // batchRows are the rows of a statement sent with BEGIN; closing them

@@ -135,3 +135,26 @@ func TestFunctionWithoutStatementsStillTakesTheKey(t *testing.T) {
 	require.Equal(t, 204, resp.Status)
 	require.Equal(t, 204, *readKey(t, e.Pool, "acct_1", "k1").RespStatus)
 }
+
+// A first statement whose context was already done sends nothing, so no
+// transaction began. The connection the function can still reach through
+// tx.Conn() must not run statements outside the key's transaction: a write
+// there would commit without the key, and a retry would write it again.
+func TestConnAfterAFailedStartWritesNothingWithoutTheKey(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	var connErr error
+	_, err := e.runner.Run(ctx, chargeKey("k1", 1), func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+		done, cancel := context.WithCancel(ctx)
+		cancel()
+		_, ferr := tx.Exec(done, `INSERT INTO charges (ref, amount) VALUES ($1, 1)`, "c0")
+		require.Error(t, ferr)
+		_, connErr = tx.Conn().Exec(ctx, `INSERT INTO charges (ref, amount) VALUES ($1, 1)`, "c1")
+		return txn.Response{Status: 201}, nil
+	})
+	require.Error(t, err)
+	require.Error(t, connErr, "the connection refuses statements outside the transaction")
+	require.Zero(t, e.Count(t, `SELECT count(*) FROM charges`), "nothing committed without the key")
+	require.Zero(t, e.Count(t, `SELECT count(*) FROM idempotency_keys`))
+}
