@@ -2,6 +2,7 @@ package txn
 
 import (
 	"context"
+	"errors"
 	"fmt"
 
 	"github.com/jackc/pgx/v5"
@@ -27,13 +28,31 @@ import (
 // without arguments, which pgx sends over the simple protocol, where
 // several statements may share one string, or any statement with a pgx
 // option such as QueryExecMode) first starts the transaction on its own.
+//
+// With an opening statement, a user's statement travels only when ride is
+// set: when the connection's exec mode sends a batch in one round trip and
+// prepares nothing on its own (see statementsRide).
 type lazyTx struct {
 	conn *pgx.Conn
 	ctx  context.Context // for Conn and LargeObjects, which take none
 	opts pgx.TxOptions
 	lead opener
+	ride bool   // a user's statement may travel after lead
 	tx   pgx.Tx // set once BEGIN went out
 	err  error  // why the transaction cannot be used
+}
+
+// statementsRide reports whether, in mode, a user's statement can travel
+// in the batch after the opening statement and be skipped by the server
+// when that statement fails. In the modes that prepare or describe a
+// statement pgx has not cached (cache_statement, pgx's default,
+// cache_describe and describe_exec), pgx sends that in a round trip of its
+// own before the batch: before BEGIN and the key's insert. Preparing takes
+// the statement's table locks, so a twin would wait behind its holder's
+// LOCK TABLE instead of losing the key at once (rule 4). In those modes the
+// transaction starts on its own first, one round trip more.
+func statementsRide(mode pgx.QueryExecMode) bool {
+	return mode == pgx.QueryExecModeExec || mode == pgx.QueryExecModeSimpleProtocol
 }
 
 // opener is the statement that opens a lazyTx: queue adds it to the batch
@@ -44,8 +63,10 @@ type opener struct {
 	read  func(br pgx.BatchResults) error
 }
 
-func newLazyTx(ctx context.Context, conn *pgx.Conn, opts pgx.TxOptions, lead opener) *lazyTx {
-	return &lazyTx{conn: conn, ctx: ctx, opts: opts, lead: lead}
+// newLazyTx returns the transaction on conn that lead opens; ride is
+// statementsRide for conn's exec mode (it does not matter without lead).
+func newLazyTx(ctx context.Context, conn *pgx.Conn, opts pgx.TxOptions, lead opener, ride bool) *lazyTx {
+	return &lazyTx{conn: conn, ctx: ctx, opts: opts, lead: lead, ride: ride || lead.queue == nil}
 }
 
 // start sends BEGIN and the opening statement unless that happened already,
@@ -73,6 +94,9 @@ func (l *lazyTx) send(ctx context.Context, sql *string, args []any) (pgx.BatchRe
 		return nil
 	})
 	if err != nil {
+		if sql != nil && nothingSent(ctx, l.conn, err) {
+			return nil, err // the user's statement's own error, as on any pgx.Tx; the next one starts afresh
+		}
 		l.err = fmt.Errorf("begin: %w", err)
 		return nil, l.err
 	}
@@ -94,29 +118,61 @@ func (l *lazyTx) send(ctx context.Context, sql *string, args []any) (pgx.BatchRe
 	return br, nil
 }
 
+// nothingSent reports whether the batch that failed with err never reached
+// the server: pgx refused to encode a statement's arguments (it encodes the
+// whole batch before it writes any of it), and the connection is open and
+// its context not done. Then no transaction began, and the user's
+// statement's error is its own: a pgx.Tx stays usable after such an error.
+func nothingSent(ctx context.Context, conn *pgx.Conn, err error) bool {
+	var pgErr *pgconn.PgError
+	return !errors.As(err, &pgErr) && ctx.Err() == nil && !conn.IsClosed() && !conn.PgConn().IsBusy() &&
+		conn.PgConn().TxStatus() == 'I'
+}
+
 // travels reports whether a statement with these arguments can go out in
-// the batch with BEGIN and mean what it means on its own.
-func travels(args []any, exec bool) bool {
-	if exec && len(args) == 0 {
-		return false // pgx runs it over the simple protocol: several statements may share the string
+// the batch with BEGIN and mean what it means on its own, and returns it as
+// the batch must queue it: rewritten by a leading pgx.QueryRewriter (such
+// as pgx.NamedArgs), which a batch would otherwise apply after the decision.
+func (l *lazyTx) travels(ctx context.Context, sql string, args []any, exec bool) (string, []any, bool) {
+	if l.tx != nil || l.err != nil || !l.ride {
+		return sql, args, false
 	}
 	if len(args) > 0 {
-		switch args[0].(type) {
+		switch a := args[0].(type) {
 		case pgx.QueryExecMode, pgx.QueryResultFormats, pgx.QueryResultFormatsByOID:
-			return false // options a batch does not take
+			return sql, args, false // options a batch does not take
+		case pgx.QueryRewriter:
+			rsql, rargs, err := a.RewriteQuery(ctx, l.conn, sql, args[1:])
+			if err != nil || (len(rargs) > 0 && isOption(rargs[0])) {
+				return sql, args, false // pgx reports the error, or takes an option after the rewriter
+			}
+			sql, args = rsql, rargs
 		}
 	}
-	return true
+	if sql == "" || exec && len(args) == 0 {
+		return sql, args, false // pgx runs it over the simple protocol: several statements may share the string
+	}
+	return sql, args, true
+}
+
+// isOption reports whether a statement's argument is one of pgx's options.
+func isOption(a any) bool {
+	switch a.(type) {
+	case pgx.QueryExecMode, pgx.QueryResultFormats, pgx.QueryResultFormatsByOID, pgx.QueryRewriter:
+		return true
+	}
+	return false
 }
 
 func (l *lazyTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
-	if l.tx != nil || l.err != nil || !travels(args, true) {
+	bsql, bargs, ok := l.travels(ctx, sql, args, true)
+	if !ok {
 		if err := l.start(ctx); err != nil {
 			return pgconn.CommandTag{}, err
 		}
 		return l.tx.Exec(ctx, sql, args...)
 	}
-	br, err := l.send(ctx, &sql, args)
+	br, err := l.send(ctx, &bsql, bargs)
 	if err != nil {
 		return pgconn.CommandTag{}, err
 	}
@@ -128,13 +184,14 @@ func (l *lazyTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.Comm
 }
 
 func (l *lazyTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
-	if l.tx != nil || l.err != nil || !travels(args, false) {
+	bsql, bargs, ok := l.travels(ctx, sql, args, false)
+	if !ok {
 		if err := l.start(ctx); err != nil {
 			return failedRows{err: err}, err
 		}
 		return l.tx.Query(ctx, sql, args...)
 	}
-	br, err := l.send(ctx, &sql, args)
+	br, err := l.send(ctx, &bsql, bargs)
 	if err != nil {
 		return failedRows{err: err}, err
 	}
@@ -147,13 +204,14 @@ func (l *lazyTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, 
 }
 
 func (l *lazyTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
-	if l.tx != nil || l.err != nil || !travels(args, false) {
+	bsql, bargs, ok := l.travels(ctx, sql, args, false)
+	if !ok {
 		if err := l.start(ctx); err != nil {
 			return failedRow{err: err}
 		}
 		return l.tx.QueryRow(ctx, sql, args...)
 	}
-	br, err := l.send(ctx, &sql, args)
+	br, err := l.send(ctx, &bsql, bargs)
 	if err != nil {
 		return failedRow{err: err}
 	}

@@ -3,7 +3,10 @@ package txn_test
 import (
 	"context"
 	"fmt"
+	"sync"
+	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
@@ -16,7 +19,7 @@ import (
 // before it in the same transaction: the function knows its key's id
 // from the start (outbox messages record it), its writes commit with the
 // key, and the statements that can travel with BEGIN do, so the run costs
-// 3 round trips; the others cost one more.
+// 3 round trips (in the exec mode); the others cost one more.
 func TestEveryKindOfFirstStatementTakesTheKey(t *testing.T) {
 	t.Parallel()
 	insert := `INSERT INTO charges (ref, amount) VALUES ($1, 1)`
@@ -88,7 +91,9 @@ func TestEveryKindOfFirstStatementTakesTheKey(t *testing.T) {
 			t.Parallel()
 			e := newEnv(t, nil)
 			ctx := ctxT(t)
-			r, qc := e.countingRunner(t, nil)
+			// The exec mode, in which a statement can travel with BEGIN
+			// (see TestFirstStatementTravelsOnlyInModesThatPrepareNothing).
+			r, qc := e.countingRunnerIn(t, nil, pgx.QueryExecModeExec)
 			var keyID int64
 			before := qc.n.Load()
 			resp, err := r.Run(ctx, chargeKey("k1", 1), func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
@@ -157,4 +162,145 @@ func TestConnAfterAFailedStartWritesNothingWithoutTheKey(t *testing.T) {
 	require.Error(t, connErr, "the connection refuses statements outside the transaction")
 	require.Zero(t, e.Count(t, `SELECT count(*) FROM charges`), "nothing committed without the key")
 	require.Zero(t, e.Count(t, `SELECT count(*) FROM idempotency_keys`))
+}
+
+// In the exec modes that prepare a statement pgx has not cached yet, pgx
+// sends that prepare in a round trip of its own, before anything else of
+// the batch: before BEGIN and the key's insert. Preparing takes the
+// statement's table locks, so a first statement that travelled with BEGIN
+// would wait behind a holder's table lock instead of its key insert being
+// refused at once (rule 4). In those modes BEGIN and the key insert go
+// first; in every mode the twin gets ErrKeyInUse at once.
+func TestFirstStatementTravelsOnlyInModesThatPrepareNothing(t *testing.T) {
+	t.Parallel()
+	for _, mode := range []pgx.QueryExecMode{
+		pgx.QueryExecModeCacheStatement, pgx.QueryExecModeCacheDescribe, pgx.QueryExecModeDescribeExec,
+		pgx.QueryExecModeExec, pgx.QueryExecModeSimpleProtocol,
+	} {
+		t.Run(mode.String(), func(t *testing.T) {
+			t.Parallel()
+			e := newEnv(t, nil)
+			ctx := ctxT(t)
+			r, _ := e.countingRunnerIn(t, nil, mode)
+			locked, release := make(chan struct{}), make(chan struct{})
+			var releaseOnce sync.Once
+			releaseHolder := func() { releaseOnce.Do(func() { close(release) }) }
+			defer releaseHolder() // a failed assertion must not leave the holder waiting
+			held := make(chan error, 1)
+			go func() {
+				_, err := e.runner.Run(ctx, chargeKey("k1", 1), func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+					if err := takeKey(ctx, tx); err != nil {
+						return txn.Response{}, err
+					}
+					if _, err := tx.Exec(ctx, `LOCK TABLE charges IN SHARE ROW EXCLUSIVE MODE`); err != nil {
+						return txn.Response{}, err
+					}
+					close(locked)
+					<-release
+					return txn.Response{Status: 201}, nil
+				})
+				held <- err
+			}()
+			<-locked
+			short, cancel := context.WithTimeout(ctx, 3*time.Second)
+			defer cancel()
+			var calls atomic.Int64
+			_, err := r.Run(short, chargeKey("k1", 1), insertCharge(&calls, "twin", 1))
+			require.ErrorIs(t, err, txn.ErrKeyInUse, "at once, not after a wait on the holder's table lock")
+			releaseHolder()
+			require.NoError(t, <-held)
+			require.Zero(t, e.Count(t, `SELECT count(*) FROM charges`))
+		})
+	}
+}
+
+// pgx.NamedArgs without any argument left after the rewrite make pgx send
+// the statement over the simple protocol, where one string may hold
+// several statements; such a statement does not travel with BEGIN either.
+func TestNamedArgsRewrittenToNoArgumentsRunAsPlainPgx(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	r, _ := e.countingRunnerIn(t, nil, pgx.QueryExecModeExec)
+	resp, err := r.Run(ctx, chargeKey("k1", 1), func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+		_, err := tx.Exec(ctx, `INSERT INTO charges (ref, amount) VALUES ('a', 1); INSERT INTO charges (ref, amount) VALUES ('b', 1)`, pgx.NamedArgs{})
+		if err != nil {
+			return txn.Response{}, err
+		}
+		return txn.Response{Status: 201}, nil
+	})
+	require.NoError(t, err)
+	require.Equal(t, 201, resp.Status)
+	require.Equal(t, 2, e.Count(t, `SELECT count(*) FROM charges`))
+}
+
+// An argument pgx cannot encode fails the first statement before anything
+// reaches the server, as it fails a statement on any pgx.Tx, which stays
+// usable: the function's next statement takes the key, and the run
+// commits what the function wrote.
+func TestFirstStatementThatCannotBeEncodedLeavesTheTransactionUsable(t *testing.T) {
+	t.Parallel()
+	for _, mode := range []pgx.QueryExecMode{pgx.QueryExecModeExec, pgx.QueryExecModeSimpleProtocol, pgx.QueryExecModeCacheStatement} {
+		t.Run(mode.String(), func(t *testing.T) {
+			t.Parallel()
+			e := newEnv(t, nil)
+			ctx := ctxT(t)
+			r, _ := e.countingRunnerIn(t, nil, mode)
+			var encodeErr error
+			resp, err := r.Run(ctx, chargeKey("k1", 1), func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+				_, encodeErr = tx.Exec(ctx, `INSERT INTO charges (ref, amount) VALUES ($1, 1)`, make(chan int))
+				if _, err := tx.Exec(ctx, `INSERT INTO charges (ref, amount) VALUES ($1, 1)`, "c1"); err != nil {
+					return txn.Response{}, err
+				}
+				return txn.Response{Status: 201}, nil
+			})
+			require.Error(t, encodeErr)
+			require.NoError(t, err)
+			require.Equal(t, 201, resp.Status)
+			require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM charges`))
+			require.Equal(t, 201, *readKey(t, e.Pool, "acct_1", "k1").RespStatus)
+		})
+	}
+}
+
+// A function that returns with its Rows open, or its Row not scanned,
+// leaves a result unread: nothing is stored, and the error says why,
+// whether the statement travelled with BEGIN or came later.
+func TestFunctionReturningWithUnreadResultsStoresNothing(t *testing.T) {
+	t.Parallel()
+	unread := map[string]func(ctx context.Context, tx pgx.Tx) error{
+		"rows not closed": func(ctx context.Context, tx pgx.Tx) error {
+			_, err := tx.Query(ctx, `INSERT INTO charges (ref, amount) VALUES ($1, 1) RETURNING id`, "c1")
+			return err
+		},
+		"row not scanned": func(ctx context.Context, tx pgx.Tx) error {
+			_ = tx.QueryRow(ctx, `INSERT INTO charges (ref, amount) VALUES ($1, 1) RETURNING id`, "c1")
+			return nil
+		},
+	}
+	for name, leave := range unread {
+		for _, first := range []bool{true, false} {
+			t.Run(fmt.Sprintf("%s/first=%v", name, first), func(t *testing.T) {
+				t.Parallel()
+				e := newEnv(t, nil)
+				ctx := ctxT(t)
+				r, _ := e.countingRunnerIn(t, nil, pgx.QueryExecModeExec)
+				_, err := r.Run(ctx, chargeKey("k1", 1), func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+					if !first {
+						if err := takeKey(ctx, tx); err != nil {
+							return txn.Response{}, err
+						}
+					}
+					if err := leave(ctx, tx); err != nil {
+						return txn.Response{}, err
+					}
+					return txn.Response{Status: 201}, nil
+				})
+				require.ErrorIs(t, err, txn.ErrInvalidUse)
+				require.ErrorContains(t, err, "not closed or a Row not scanned")
+				require.Zero(t, e.Count(t, `SELECT count(*) FROM charges`))
+				require.Zero(t, e.Count(t, `SELECT count(*) FROM idempotency_keys`))
+			})
+		}
+	}
 }

@@ -131,8 +131,17 @@ func (c *queryCounter) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchE
 // countingRunner returns a runner on a pool that counts its round trips.
 func (e *env) countingRunner(t *testing.T, cfg *txn.Config) (*txn.Runner, *queryCounter) {
 	t.Helper()
+	return e.countingRunnerIn(t, cfg, pgx.QueryExecModeCacheStatement)
+}
+
+// countingRunnerIn is countingRunner with the pool's connections in mode.
+func (e *env) countingRunnerIn(t *testing.T, cfg *txn.Config, mode pgx.QueryExecMode) (*txn.Runner, *queryCounter) {
+	t.Helper()
 	qc := &queryCounter{}
-	pool := e.NewPool(t, func(c *pgxpool.Config) { c.ConnConfig.Tracer = qc })
+	pool := e.NewPool(t, func(c *pgxpool.Config) {
+		c.ConnConfig.Tracer = qc
+		c.ConnConfig.DefaultQueryExecMode = mode
+	})
 	if cfg == nil {
 		cfg = &txn.Config{Workflows: e.reg}
 	}

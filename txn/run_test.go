@@ -95,12 +95,14 @@ func TestFinishedKeyReplaysByteForByteInOneRoundTrip(t *testing.T) {
 // the round trips of the hand-written keyed transaction, with the read of
 // the key that answers a retry in one round trip besides: the read, BEGIN
 // with the key insert and the function's statement, the response with
-// COMMIT.
+// COMMIT. That is in the exec modes that prepare nothing on their own; in
+// the others BEGIN and the key insert go first, alone (one round trip more:
+// see TestFirstStatementTravelsOnlyInModesThatPrepareNothing).
 func TestRunRoundTrips(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, nil)
 	ctx := ctxT(t)
-	r, qc := e.countingRunner(t, nil)
+	r, qc := e.countingRunnerIn(t, nil, pgx.QueryExecModeExec)
 	var calls atomic.Int64
 	roundTrips := func(run func()) int64 {
 		before := qc.n.Load()
@@ -588,6 +590,32 @@ func TestSameKeyInAnotherSchemaIsIndependent(t *testing.T) {
 	require.ErrorIs(t, err, txn.ErrKeyReused, "same schema, other request: reuse, decided by the row")
 	close(release)
 	require.NoError(t, <-done)
+}
+
+// A replay writes nothing: the lookup that answers it draws a new key's id
+// only for a missing key. So a retry of a finished key is answered by a
+// server that takes no writes (a standby, a primary demoted in a failover),
+// while a new key there is ErrUnavailable.
+func TestReplayIsAnsweredByAServerThatTakesNoWrites(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	var calls atomic.Int64
+	first, err := e.runner.Run(ctx, chargeKey("k1", 5), insertCharge(&calls, "c1", 5))
+	require.NoError(t, err)
+
+	readOnly := e.NewPool(t, func(c *pgxpool.Config) {
+		c.ConnConfig.RuntimeParams["default_transaction_read_only"] = "on"
+	})
+	r, err := txn.New(readOnly, &txn.Config{Workflows: e.reg})
+	require.NoError(t, err)
+	again, err := r.Run(ctx, chargeKey("k1", 5), insertCharge(&calls, "c1", 5))
+	require.NoError(t, err)
+	require.True(t, again.Replayed)
+	require.Equal(t, first.Body, again.Body)
+	_, err = r.Run(ctx, chargeKey("k2", 5), insertCharge(&calls, "c2", 5))
+	require.ErrorIs(t, err, txn.ErrUnavailable)
+	require.Equal(t, int64(1), calls.Load())
 }
 
 // A database that cannot be reached, or that takes no writes (a demoted

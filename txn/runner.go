@@ -54,6 +54,7 @@ type Runner struct {
 	maxAgeBody []byte         // the problem body stored for a key failed past MaxAge
 	retry      backoff.Policy // the wait before a phase's retry
 	hook       txnhook.Func   // the test kit's, else nil (see hook.go)
+	ride       bool           // statementsRide for the pool's exec mode
 
 	tel    *telemetry.Txn
 	tracer *telemetry.Tracer
@@ -78,6 +79,7 @@ func New(pool *pgxpool.Pool, cfg *Config) (*Runner, error) {
 		retry: backoff.Policy{Base: c.RetryBaseDelay, Max: c.RetryMaxDelay, Jitter: backoff.Equal},
 		tel:   telemetry.NewTxn(c.MeterProvider), tracer: telemetry.NewTracer(c.TracerProvider),
 		scopes: telemetry.NewScopeHasher(c.ScopeHashKey),
+		ride:   statementsRide(pool.Config().ConnConfig.DefaultQueryExecMode),
 	}, nil
 }
 

@@ -67,7 +67,13 @@ func (t *userTx) retry() error {
 // usable checks, after user code returned, that the transaction can still
 // commit: user code did not end it through SQL, and no statement aborted it.
 func (t *userTx) usable() error {
-	switch t.Conn().PgConn().TxStatus() {
+	pc := t.Conn().PgConn()
+	if pc.IsBusy() {
+		// An unread result holds the connection (the transaction's status
+		// is not known until it is read): store nothing.
+		return fmt.Errorf("%w: the function returned with Rows not closed or a Row not scanned", ErrInvalidUse)
+	}
+	switch pc.TxStatus() {
 	case 'I':
 		return fmt.Errorf("%w: the function ended the transaction itself (COMMIT or ROLLBACK sent as SQL)", ErrInvalidUse)
 	case 'E':
