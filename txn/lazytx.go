@@ -43,16 +43,24 @@ type lazyTx struct {
 }
 
 // statementsRide reports whether, in mode, a user's statement can travel
-// in the batch after the opening statement and be skipped by the server
-// when that statement fails. In the modes that prepare or describe a
-// statement pgx has not cached (cache_statement, pgx's default,
-// cache_describe and describe_exec), pgx sends that in a round trip of its
-// own before the batch: before BEGIN and the key's insert. Preparing takes
-// the statement's table locks, so a twin would wait behind its holder's
-// LOCK TABLE instead of losing the key at once (rule 4). In those modes the
-// transaction starts on its own first, one round trip more.
+// in the batch after the opening statement, be skipped by the server when
+// that statement fails, and mean what it means on a plain pgx.Tx. Only in
+// the exec mode:
+//   - In the modes that prepare or describe a statement pgx has not cached
+//     (cache_statement, pgx's default, cache_describe and describe_exec),
+//     pgx sends that in a round trip of its own before the batch: before
+//     BEGIN and the key's insert. Preparing takes the statement's table
+//     locks, so a twin would wait behind its holder's LOCK TABLE instead of
+//     losing the key at once (rule 4).
+//   - In the simple protocol, pgx joins a batch into one string: a statement
+//     run by a prepared statement's name, a multi-statement string's command
+//     tag and a comment-only query would differ from a plain pgx.Tx, and a
+//     syntax error in the user's SQL would fail BEGIN and hide a lost key.
+//
+// In those modes the transaction starts on its own first, one round trip
+// more.
 func statementsRide(mode pgx.QueryExecMode) bool {
-	return mode == pgx.QueryExecModeExec || mode == pgx.QueryExecModeSimpleProtocol
+	return mode == pgx.QueryExecModeExec
 }
 
 // opener is the statement that opens a lazyTx: queue adds it to the batch
@@ -119,10 +127,13 @@ func (l *lazyTx) send(ctx context.Context, sql *string, args []any) (pgx.BatchRe
 }
 
 // nothingSent reports whether the batch that failed with err never reached
-// the server: pgx refused to encode a statement's arguments (it encodes the
-// whole batch before it writes any of it), and the connection is open and
-// its context not done. Then no transaction began, and the user's
-// statement's error is its own: a pgx.Tx stays usable after such an error.
+// the server: pgx refused to encode a statement's arguments, and the
+// connection is open and its context not done. Then no transaction began,
+// and the user's statement's error is its own: a pgx.Tx stays usable after
+// such an error. In the exec mode pgx encodes the whole batch before it
+// writes any of it. In the modes that prepare (a phase on a stored key
+// travels with BEGIN in every mode) pgx encodes after queueing BEGIN and
+// closes the connection on such an error, so the transaction ends with it.
 func nothingSent(ctx context.Context, conn *pgx.Conn, err error) bool {
 	var pgErr *pgconn.PgError
 	return !errors.As(err, &pgErr) && ctx.Err() == nil && !conn.IsClosed() && !conn.PgConn().IsBusy() &&
@@ -131,23 +142,32 @@ func nothingSent(ctx context.Context, conn *pgx.Conn, err error) bool {
 
 // travels reports whether a statement with these arguments can go out in
 // the batch with BEGIN and mean what it means on its own, and returns it as
-// the batch must queue it: rewritten by a leading pgx.QueryRewriter (such
-// as pgx.NamedArgs), which a batch would otherwise apply after the decision.
+// the batch must queue it: rewritten by its pgx.QueryRewriter (such as
+// pgx.NamedArgs), which a batch would otherwise apply after the decision.
+// Like pgx, it reads options from the front of args, in any order.
 func (l *lazyTx) travels(ctx context.Context, sql string, args []any, exec bool) (string, []any, bool) {
 	if l.tx != nil || l.err != nil || !l.ride {
 		return sql, args, false
 	}
-	if len(args) > 0 {
-		switch a := args[0].(type) {
+	var rewriter pgx.QueryRewriter
+	n := 0
+options:
+	for ; n < len(args); n++ {
+		switch a := args[n].(type) {
 		case pgx.QueryExecMode, pgx.QueryResultFormats, pgx.QueryResultFormatsByOID:
 			return sql, args, false // options a batch does not take
 		case pgx.QueryRewriter:
-			rsql, rargs, err := a.RewriteQuery(ctx, l.conn, sql, args[1:])
-			if err != nil || (len(rargs) > 0 && isOption(rargs[0])) {
-				return sql, args, false // pgx reports the error, or takes an option after the rewriter
-			}
-			sql, args = rsql, rargs
+			rewriter = a // the last one counts, as in pgx
+		default:
+			break options
 		}
+	}
+	if rewriter != nil {
+		rsql, rargs, err := rewriter.RewriteQuery(ctx, l.conn, sql, args[n:])
+		if err != nil || (len(rargs) > 0 && isOption(rargs[0])) {
+			return sql, args, false // pgx reports the error; or a batch would read an option pgx does not
+		}
+		sql, args = rsql, rargs
 	}
 	if sql == "" || exec && len(args) == 0 {
 		return sql, args, false // pgx runs it over the simple protocol: several statements may share the string

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/atomicphase/atomicphase/internal/phasectx"
@@ -303,4 +304,101 @@ func TestFunctionReturningWithUnreadResultsStoresNothing(t *testing.T) {
 			})
 		}
 	}
+}
+
+// pgx reads its options from the front of the arguments in any order: an
+// exec mode after pgx.NamedArgs still chooses the protocol, here the simple
+// one, in which one string may hold several statements.
+func TestExecModeAfterNamedArgsIsHonoured(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	r, _ := e.countingRunnerIn(t, nil, pgx.QueryExecModeExec)
+	resp, err := r.Run(ctx, chargeKey("k1", 1), func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+		_, err := tx.Exec(ctx, `INSERT INTO charges (ref, amount) VALUES (@ref, 1); INSERT INTO charges (ref, amount) VALUES ('b', 1)`,
+			pgx.NamedArgs{"ref": "a"}, pgx.QueryExecModeSimpleProtocol)
+		if err != nil {
+			return txn.Response{}, err
+		}
+		return txn.Response{Status: 201}, nil
+	})
+	require.NoError(t, err)
+	require.Equal(t, 201, resp.Status)
+	require.Equal(t, 2, e.Count(t, `SELECT count(*) FROM charges`))
+}
+
+// In the simple protocol pgx joins a batch into one string, so a first
+// statement there starts the transaction on its own and means what it
+// means on a plain pgx.Tx of the same pool: a prepared statement run by
+// its name, the last command tag of a multi-statement string, a query that
+// is only a comment.
+func TestFirstStatementInTheSimpleProtocolRunsAsOnAPlainTx(t *testing.T) {
+	t.Parallel()
+	cases := map[string]func(ctx context.Context, tx pgx.Tx) (string, error){
+		"prepared statement by name": func(ctx context.Context, tx pgx.Tx) (string, error) {
+			tag, err := tx.Exec(ctx, "ins_charge", "c1")
+			return tag.String(), err
+		},
+		"multi-statement command tag": func(ctx context.Context, tx pgx.Tx) (string, error) {
+			tag, err := tx.Exec(ctx, `SELECT $1::int; INSERT INTO charges (ref, amount) VALUES ('c1', 1)`, 1)
+			return tag.String(), err
+		},
+		"comment-only query": func(ctx context.Context, tx pgx.Tx) (string, error) {
+			rows, err := tx.Query(ctx, `-- nothing`)
+			if err != nil {
+				return "", err
+			}
+			rows.Close()
+			return rows.CommandTag().String(), rows.Err()
+		},
+	}
+	for name, stmt := range cases {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			e := newEnv(t, nil)
+			ctx := ctxT(t)
+			pool := e.NewPool(t, func(c *pgxpool.Config) {
+				c.ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeSimpleProtocol
+				c.AfterConnect = func(ctx context.Context, conn *pgx.Conn) error {
+					_, err := conn.Prepare(ctx, "ins_charge", `INSERT INTO charges (ref, amount) VALUES ($1, 1)`)
+					return err
+				}
+			})
+			plain, err := pool.Begin(ctx)
+			require.NoError(t, err)
+			want, err := stmt(ctx, plain)
+			require.NoError(t, err, "on a plain pgx.Tx")
+			require.NoError(t, plain.Rollback(ctx))
+
+			r, err := txn.New(pool, &txn.Config{Workflows: e.reg})
+			require.NoError(t, err)
+			var got string
+			_, err = r.Run(ctx, chargeKey("k1", 1), func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+				var serr error
+				got, serr = stmt(ctx, tx)
+				return txn.Response{Status: 201}, serr
+			})
+			require.NoError(t, err)
+			require.Equal(t, want, got)
+		})
+	}
+}
+
+// A connection lost during the batch that carries the first statement
+// (here the statement ends its own backend) is an outage, however the
+// function took the statement's error: not a function that ended the
+// transaction itself.
+func TestConnectionLostWithTheFirstStatementIsUnavailable(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	r, _ := e.countingRunnerIn(t, nil, pgx.QueryExecModeExec)
+	_, err := r.Run(ctx, chargeKey("k1", 1), func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+		_, ferr := tx.Exec(ctx, `SELECT pg_terminate_backend(pg_backend_pid()) WHERE $1::int = 1`, 1)
+		require.Error(t, ferr)
+		return txn.Response{Status: 201}, nil // the error swallowed
+	})
+	require.ErrorIs(t, err, txn.ErrUnavailable)
+	require.NotErrorIs(t, err, txn.ErrInvalidUse)
+	require.Zero(t, e.Count(t, `SELECT count(*) FROM idempotency_keys`))
 }

@@ -68,6 +68,11 @@ func (t *userTx) retry() error {
 // commit: user code did not end it through SQL, and no statement aborted it.
 func (t *userTx) usable() error {
 	pc := t.Conn().PgConn()
+	if pc.IsClosed() {
+		// The connection was lost; its status is the last one read, from
+		// before the batch that broke it. An outage, not a misuse.
+		return fmt.Errorf("the function's transaction: %w", pgerr.ErrConnectionLost)
+	}
 	if pc.IsBusy() {
 		// An unread result holds the connection (the transaction's status
 		// is not known until it is read): store nothing.

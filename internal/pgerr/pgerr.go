@@ -85,12 +85,19 @@ func IsLockNotAvailable(err error) bool { return Code(err) == LockNotAvailable }
 // IsUndefinedTable reports a missing table, as when migrations were not run.
 func IsUndefinedTable(err error) bool { return Code(err) == UndefinedTable }
 
+// ErrConnectionLost says that a connection was found closed, where no
+// driver error said why (a caller swallowed it). IsConnection reports it.
+var ErrConnectionLost = errors.New("the connection to the database was lost")
+
 // IsConnection reports an error of the connection rather than of a statement:
 // the server went away, the network failed, or the server is shutting down.
 // Whether a COMMIT sent just before such an error took effect is unknown.
 func IsConnection(err error) bool {
 	if err == nil || errors.Is(err, context.Canceled) {
 		return false
+	}
+	if errors.Is(err, ErrConnectionLost) {
+		return true
 	}
 	// A connection that could not be made, also when connect_timeout
 	// expired (pgx wraps its own context.DeadlineExceeded then): a server
