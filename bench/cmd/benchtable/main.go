@@ -35,6 +35,8 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+
 	"github.com/atomicphase/atomicphase/bench/internal/harness"
 	"github.com/atomicphase/atomicphase/bench/internal/scenarios"
 )
@@ -81,6 +83,7 @@ func run() error {
 	scaleExplain := flag.String("scale-explain", "", "scale mode: write EXPLAIN (ANALYZE, BUFFERS) of the key lookup and insert at each size to this file")
 	chart := flag.String("chart", "", "scale mode: also draw latency against table size as a PNG image to this file")
 	pgSettings := settingsFlag{}
+	execMode := flag.String("exec-mode", "cache_statement", "pgx query exec mode of every pool, ours and the baselines' (cache_statement, cache_describe, describe_exec, exec, simple_protocol)")
 	flag.Var(pgSettings, "pg", "server setting name=value for the throwaway cluster (repeatable)")
 	flag.Parse()
 
@@ -160,6 +163,9 @@ func run() error {
 		return err
 	}
 	defer env.Close()
+	if env.ExecMode, err = parseExecMode(*execMode); err != nil {
+		return err
+	}
 
 	suite := &scenarios.Suite{
 		Env: env, Timing: timing, Concurrency: cs,
@@ -210,7 +216,7 @@ func run() error {
 	fmt.Fprintf(w, "- Date: %s; total run time %s\n", began.UTC().Format("2006-01-02 15:04 MST"), time.Since(began).Round(time.Second))
 	fmt.Fprintf(w, "- Machine: %d CPUs (GOMAXPROCS %d), %s/%s, %s; load average before the run: %s\n",
 		runtime.NumCPU(), runtime.GOMAXPROCS(0), runtime.GOOS, runtime.GOARCH, runtime.Version(), loadAvg())
-	fmt.Fprintf(w, "- Database: %s (%s)\n", env.ServerInfo(ctx), env.Source)
+	fmt.Fprintf(w, "- Database: %s (%s); pgx exec mode %s for every pool\n", env.ServerInfo(ctx), env.Source, env.ExecMode)
 	fmt.Fprintf(w, "- Each cell: fresh pool (c+10 connections), tables truncated, CHECKPOINT, %v warm-up, then %v measured; closed loop, c goroutines back to back. Ratios compare figures measured in the same run.\n", timing.Warmup, timing.Duration)
 	fmt.Fprintf(w, "- Command: `%s`\n\n", reproduce())
 	for _, t := range suite.Tables {
@@ -218,6 +224,20 @@ func run() error {
 	}
 	scenarios.Summary(w, suite.Tables)
 	return nil
+}
+
+// parseExecMode returns the pgx query exec mode named as pgx names it, with
+// underscores for spaces.
+func parseExecMode(name string) (pgx.QueryExecMode, error) {
+	for _, m := range []pgx.QueryExecMode{
+		pgx.QueryExecModeCacheStatement, pgx.QueryExecModeCacheDescribe, pgx.QueryExecModeDescribeExec,
+		pgx.QueryExecModeExec, pgx.QueryExecModeSimpleProtocol,
+	} {
+		if strings.ReplaceAll(m.String(), " ", "_") == name {
+			return m, nil
+		}
+	}
+	return 0, fmt.Errorf("-exec-mode: unknown mode %q", name)
 }
 
 // flagSet reports whether the named flag was given on the command line.
@@ -268,7 +288,7 @@ func runScale(ctx context.Context, r scaleRun) error {
 	fmt.Fprintf(w, "- Date: %s; total run time %s\n", rep.Began.UTC().Format("2006-01-02 15:04 MST"), rep.Took.Round(time.Second))
 	fmt.Fprintf(w, "- Machine: %d CPUs (GOMAXPROCS %d), %s/%s, %s; load average before the run: %s\n",
 		runtime.NumCPU(), runtime.GOMAXPROCS(0), runtime.GOOS, runtime.GOARCH, runtime.Version(), loadBefore)
-	fmt.Fprintf(w, "- Database: %s (%s)\n", env.ServerInfo(ctx), env.Source)
+	fmt.Fprintf(w, "- Database: %s (%s); pgx exec mode %s for every pool\n", env.ServerInfo(ctx), env.Source, env.ExecMode)
 	fmt.Fprintf(w, "- Command: `%s`\n\n", reproduce())
 	rep.Markdown(w)
 	if r.chart != "" {

@@ -39,6 +39,9 @@ type Env struct {
 	NATSURL string
 	// Source says where the database came from, for the report.
 	Source string
+	// ExecMode is the pgx query exec mode of every pool NewPool opens; the
+	// zero value is pgx's default, cache_statement.
+	ExecMode pgx.QueryExecMode
 
 	stops []func()
 }
@@ -160,6 +163,9 @@ func (e *Env) NewPool(ctx context.Context, maxConns int) (*pgxpool.Pool, *Counte
 	}
 	cfg.MaxConns = int32(maxConns)
 	cfg.MinConns = 0
+	if e.ExecMode != 0 {
+		cfg.ConnConfig.DefaultQueryExecMode = e.ExecMode
+	}
 	ctr := &Counter{}
 	cfg.ConnConfig.Tracer = ctr
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
