@@ -29,9 +29,8 @@ import (
 // several statements may share one string, or any statement with a pgx
 // option such as QueryExecMode) first starts the transaction on its own.
 //
-// With an opening statement, a user's statement travels only when ride is
-// set: when the connection's exec mode sends a batch in one round trip and
-// prepares nothing on its own (see statementsRide).
+// A user's statement travels only when ride is set, as statementsRide
+// decides from the connection's exec mode.
 type lazyTx struct {
 	conn *pgx.Conn
 	ctx  context.Context // for Conn and LargeObjects, which take none
@@ -59,7 +58,15 @@ type lazyTx struct {
 //
 // In those modes the transaction starts on its own first, one round trip
 // more.
-func statementsRide(mode pgx.QueryExecMode) bool {
+//
+// Without an opening statement (a workflow phase on a stored key, whose
+// lease is already held) nothing is to be taken before the user's
+// statement, so preparing it ahead of BEGIN is harmless: it travels in
+// every mode but the simple protocol.
+func statementsRide(mode pgx.QueryExecMode, lead opener) bool {
+	if lead.queue == nil {
+		return mode != pgx.QueryExecModeSimpleProtocol
+	}
 	return mode == pgx.QueryExecModeExec
 }
 
@@ -71,10 +78,10 @@ type opener struct {
 	read  func(br pgx.BatchResults) error
 }
 
-// newLazyTx returns the transaction on conn that lead opens; ride is
-// statementsRide for conn's exec mode (it does not matter without lead).
-func newLazyTx(ctx context.Context, conn *pgx.Conn, opts pgx.TxOptions, lead opener, ride bool) *lazyTx {
-	return &lazyTx{conn: conn, ctx: ctx, opts: opts, lead: lead, ride: ride || lead.queue == nil}
+// newLazyTx returns the transaction on conn that lead opens; mode is
+// conn's default exec mode.
+func newLazyTx(ctx context.Context, conn *pgx.Conn, opts pgx.TxOptions, lead opener, mode pgx.QueryExecMode) *lazyTx {
+	return &lazyTx{conn: conn, ctx: ctx, opts: opts, lead: lead, ride: statementsRide(mode, lead)}
 }
 
 // start sends BEGIN and the opening statement unless that happened already,
@@ -132,7 +139,7 @@ func (l *lazyTx) send(ctx context.Context, sql *string, args []any) (pgx.BatchRe
 // and the user's statement's error is its own: a pgx.Tx stays usable after
 // such an error. In the exec mode pgx encodes the whole batch before it
 // writes any of it. In the modes that prepare (a phase on a stored key
-// travels with BEGIN in every mode) pgx encodes after queueing BEGIN and
+// travels with BEGIN in those too) pgx encodes after queueing BEGIN and
 // closes the connection on such an error, so the transaction ends with it.
 func nothingSent(ctx context.Context, conn *pgx.Conn, err error) bool {
 	var pgErr *pgconn.PgError

@@ -3,6 +3,7 @@ package txn_test
 import (
 	"context"
 	"fmt"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -380,6 +381,27 @@ func TestFirstStatementInTheSimpleProtocolRunsAsOnAPlainTx(t *testing.T) {
 			})
 			require.NoError(t, err)
 			require.Equal(t, want, got)
+
+			// A workflow phase on a stored key: its first statement goes out
+			// with BEGIN in the other modes; here it must not either.
+			got = ""
+			wf := txn.NewWorkflow("simple_"+strings.ReplaceAll(name, " ", "_"), func(ctx context.Context, a *txn.Attempt) (txn.Response, error) {
+				if _, err := txn.Atomic(ctx, a, "first", func(ctx context.Context, tx pgx.Tx) (int, error) {
+					_, err := tx.Exec(ctx, `INSERT INTO charges (ref, amount) VALUES ('first', 1)`)
+					return 0, err
+				}); err != nil {
+					return txn.Response{}, err
+				}
+				return a.Finish(ctx, func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+					var serr error
+					got, serr = stmt(ctx, tx)
+					return txn.Response{Status: 201}, serr
+				})
+			})
+			require.NoError(t, e.reg.Register(wf))
+			_, err = r.RunWorkflow(ctx, rideKey("w1"), wf)
+			require.NoError(t, err)
+			require.Equal(t, want, got, "in a workflow phase on a stored key")
 		})
 	}
 }
@@ -401,4 +423,49 @@ func TestConnectionLostWithTheFirstStatementIsUnavailable(t *testing.T) {
 	require.ErrorIs(t, err, txn.ErrUnavailable)
 	require.NotErrorIs(t, err, txn.ErrInvalidUse)
 	require.Zero(t, e.Count(t, `SELECT count(*) FROM idempotency_keys`))
+}
+
+// A pool's BeforeConnect may give each connection its own exec mode; the
+// connection's mode, not the pool's, decides whether a statement travels
+// with BEGIN, so a twin still gets ErrKeyInUse at once.
+func TestExecModeSetPerConnectionIsHonoured(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	pool := e.NewPool(t, func(c *pgxpool.Config) {
+		c.ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeExec
+		c.BeforeConnect = func(_ context.Context, cc *pgx.ConnConfig) error {
+			cc.DefaultQueryExecMode = pgx.QueryExecModeCacheStatement
+			return nil
+		}
+	})
+	r, err := txn.New(pool, &txn.Config{Workflows: e.reg})
+	require.NoError(t, err)
+	locked, release := make(chan struct{}), make(chan struct{})
+	var releaseOnce sync.Once
+	releaseHolder := func() { releaseOnce.Do(func() { close(release) }) }
+	defer releaseHolder()
+	held := make(chan error, 1)
+	go func() {
+		_, err := e.runner.Run(ctx, chargeKey("k1", 1), func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+			if err := takeKey(ctx, tx); err != nil {
+				return txn.Response{}, err
+			}
+			if _, err := tx.Exec(ctx, `LOCK TABLE charges IN SHARE ROW EXCLUSIVE MODE`); err != nil {
+				return txn.Response{}, err
+			}
+			close(locked)
+			<-release
+			return txn.Response{Status: 201}, nil
+		})
+		held <- err
+	}()
+	<-locked
+	short, cancel := context.WithTimeout(ctx, 3*time.Second)
+	defer cancel()
+	var calls atomic.Int64
+	_, err = r.Run(short, chargeKey("k1", 1), insertCharge(&calls, "twin", 1))
+	require.ErrorIs(t, err, txn.ErrKeyInUse, "at once, not after a wait on the holder's table lock")
+	releaseHolder()
+	require.NoError(t, <-held)
 }

@@ -168,7 +168,7 @@ func (a *Attempt) txOnce(ctx context.Context, body func(tx pgx.Tx) (func(q *db.Q
 func (a *Attempt) newTx(ctx context.Context, conn *pgx.Conn) *lazyTx {
 	opts := pgx.TxOptions{IsoLevel: pgx.Serializable}
 	if a.stored {
-		return newLazyTx(ctx, conn, opts, opener{}, true)
+		return newLazyTx(ctx, conn, opts, opener{}, a.r.connExecMode(conn))
 	}
 	params := a.insertParams()
 	return newLazyTx(ctx, conn, opts, opener{
@@ -181,7 +181,7 @@ func (a *Attempt) newTx(ctx context.Context, conn *pgx.Conn) *lazyTx {
 			a.inserted(ins)
 			return nil
 		},
-	}, a.r.ride)
+	}, a.r.connExecMode(conn))
 }
 
 // storeTerminal stores a terminal response the workflow returned without

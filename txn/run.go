@@ -179,7 +179,7 @@ func (r *Runner) runSingle(ctx context.Context, req request, id int64, eager boo
 			}
 			return nil
 		},
-	}, r.ride)
+	}, r.connExecMode(conn.Conn()))
 	committed := false
 	defer func() {
 		if !committed {

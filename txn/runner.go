@@ -51,10 +51,11 @@ type Runner struct {
 	executed, replayed, inUse, waited, reused, conflicts, retries, leaseLost, released, notStored, tooOld atomic.Uint64
 	expiredRejected, expiredReused                                                                        atomic.Uint64
 
-	maxAgeBody []byte         // the problem body stored for a key failed past MaxAge
-	retry      backoff.Policy // the wait before a phase's retry
-	hook       txnhook.Func   // the test kit's, else nil (see hook.go)
-	ride       bool           // statementsRide for the pool's exec mode
+	maxAgeBody []byte            // the problem body stored for a key failed past MaxAge
+	retry      backoff.Policy    // the wait before a phase's retry
+	hook       txnhook.Func      // the test kit's, else nil (see hook.go)
+	execMode   pgx.QueryExecMode // the pool's default exec mode
+	modeByConn bool              // the pool's BeforeConnect may set each connection's mode
 
 	tel    *telemetry.Txn
 	tracer *telemetry.Tracer
@@ -74,13 +75,24 @@ func New(pool *pgxpool.Pool, cfg *Config) (*Runner, error) {
 	if err := c.validate(); err != nil {
 		return nil, fmt.Errorf("txn: new: %w", err)
 	}
+	pcfg := pool.Config()
 	return &Runner{
 		pool: pool, q: db.New(pool), cfg: c, log: c.Logger, maxAgeBody: failure.MaxAgeBody(c.MaxAge),
 		retry: backoff.Policy{Base: c.RetryBaseDelay, Max: c.RetryMaxDelay, Jitter: backoff.Equal},
 		tel:   telemetry.NewTxn(c.MeterProvider), tracer: telemetry.NewTracer(c.TracerProvider),
-		scopes: telemetry.NewScopeHasher(c.ScopeHashKey),
-		ride:   statementsRide(pool.Config().ConnConfig.DefaultQueryExecMode),
+		scopes:   telemetry.NewScopeHasher(c.ScopeHashKey),
+		execMode: pcfg.ConnConfig.DefaultQueryExecMode, modeByConn: pcfg.BeforeConnect != nil,
 	}, nil
+}
+
+// connExecMode returns conn's default exec mode: the pool's, unless the
+// pool's BeforeConnect may have set another for this connection (reading
+// it copies the connection's config, so only then is it read).
+func (r *Runner) connExecMode(conn *pgx.Conn) pgx.QueryExecMode {
+	if r.modeByConn {
+		return conn.Config().DefaultQueryExecMode
+	}
+	return r.execMode
 }
 
 // The module's packages built on txn (recovery, httpidem) reach the
