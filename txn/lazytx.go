@@ -30,15 +30,20 @@ import (
 // option such as QueryExecMode) first starts the transaction on its own.
 //
 // A user's statement travels only when ride is set, as statementsRide
-// decides from the connection's exec mode.
+// decides from the connection's exec mode, or in the cache_statement mode
+// once the Run prepared it on the connection (prep; see firststmt.go).
 type lazyTx struct {
 	conn *pgx.Conn
 	ctx  context.Context // for Conn and LargeObjects, which take none
 	opts pgx.TxOptions
 	lead opener
-	ride bool   // a user's statement may travel after lead
-	tx   pgx.Tx // set once BEGIN went out
-	err  error  // why the transaction cannot be used
+	ride bool // a user's statement may travel after lead
+	prep bool // a user's first statement is prepared by the Run (see firststmt.go)
+	// first is the text the user's first statement ran by, when it was
+	// prepared by a Run (see firststmt.go)
+	first string
+	tx    pgx.Tx // set once BEGIN went out
+	err   error  // why the transaction cannot be used
 }
 
 // statementsRide reports whether, in mode, a user's statement can travel
@@ -57,7 +62,9 @@ type lazyTx struct {
 //     syntax error in the user's SQL would fail BEGIN and hide a lost key.
 //
 // In those modes the transaction starts on its own first, one round trip
-// more.
+// more; except, in cache_statement, for a first statement a Run prepared
+// on the connection before (see firststmt.go), which pgx does not prepare
+// again.
 //
 // Without an opening statement (a workflow phase on a stored key, whose
 // lease is already held) nothing is to be taken before the user's
@@ -81,7 +88,20 @@ type opener struct {
 // newLazyTx returns the transaction on conn that lead opens; mode is
 // conn's default exec mode.
 func newLazyTx(ctx context.Context, conn *pgx.Conn, opts pgx.TxOptions, lead opener, mode pgx.QueryExecMode) *lazyTx {
-	return &lazyTx{conn: conn, ctx: ctx, opts: opts, lead: lead, ride: statementsRide(mode, lead)}
+	return &lazyTx{
+		conn: conn, ctx: ctx, opts: opts, lead: lead,
+		ride: statementsRide(mode, lead),
+		prep: lead.queue != nil && mode == pgx.QueryExecModeCacheStatement,
+	}
+}
+
+// startAndPrepare starts the transaction, then prepares the user's first
+// statement sql in it (see firststmt.go), and returns the text to run it by.
+func (l *lazyTx) startAndPrepare(ctx context.Context, sql string) (string, error) {
+	if err := l.start(ctx); err != nil {
+		return "", err
+	}
+	return l.prepareFirst(ctx, sql)
 }
 
 // start sends BEGIN and the opening statement unless that happened already,
@@ -147,14 +167,25 @@ func nothingSent(ctx context.Context, conn *pgx.Conn, err error) bool {
 		conn.PgConn().TxStatus() == 'I'
 }
 
-// travels reports whether a statement with these arguments can go out in
-// the batch with BEGIN and mean what it means on its own, and returns it as
-// the batch must queue it: rewritten by its pgx.QueryRewriter (such as
-// pgx.NamedArgs), which a batch would otherwise apply after the decision.
-// Like pgx, it reads options from the front of args, in any order.
-func (l *lazyTx) travels(ctx context.Context, sql string, args []any, exec bool) (string, []any, bool) {
-	if l.tx != nil || l.err != nil || !l.ride {
-		return sql, args, false
+// route is how a user's statement reaches the server.
+type route int
+
+const (
+	routeAlone   route = iota // after the transaction started on its own, as on any pgx.Tx
+	routeTravel               // in the batch with BEGIN
+	routePrepare              // after the transaction started on its own, prepared by the Run first (see firststmt.go)
+)
+
+// travels reports how a statement with these arguments goes out: in the
+// batch with BEGIN when it can and means there what it means on its own.
+// It returns the statement as the batch (or prepareFirst) must take it:
+// rewritten by its pgx.QueryRewriter (such as pgx.NamedArgs), which a
+// batch would otherwise apply after the decision, and in the
+// cache_statement mode by the text it was prepared under. Like pgx, it
+// reads options from the front of args, in any order.
+func (l *lazyTx) travels(ctx context.Context, sql string, args []any, exec bool) (string, []any, route) {
+	if l.tx != nil || l.err != nil || !l.ride && !l.prep {
+		return sql, args, routeAlone
 	}
 	var rewriter pgx.QueryRewriter
 	n := 0
@@ -162,7 +193,7 @@ options:
 	for ; n < len(args); n++ {
 		switch a := args[n].(type) {
 		case pgx.QueryExecMode, pgx.QueryResultFormats, pgx.QueryResultFormatsByOID:
-			return sql, args, false // options a batch does not take
+			return sql, args, routeAlone // options a batch does not take
 		case pgx.QueryRewriter:
 			rewriter = a // the last one counts, as in pgx
 		default:
@@ -172,14 +203,25 @@ options:
 	if rewriter != nil {
 		rsql, rargs, err := rewriter.RewriteQuery(ctx, l.conn, sql, args[n:])
 		if err != nil || (len(rargs) > 0 && isOption(rargs[0])) {
-			return sql, args, false // pgx reports the error; or a batch would read an option pgx does not
+			return sql, args, routeAlone // pgx reports the error; or a batch would read an option pgx does not
 		}
 		sql, args = rsql, rargs
 	}
 	if sql == "" || exec && len(args) == 0 {
-		return sql, args, false // pgx runs it over the simple protocol: several statements may share the string
+		return sql, args, routeAlone // pgx runs it over the simple protocol: several statements may share the string
 	}
-	return sql, args, true
+	if l.ride {
+		return sql, args, routeTravel
+	}
+	fs := firstStatementsOf(l.conn)
+	if text, ok := fs.travelling(l.conn, sql, args); ok {
+		l.first = text
+		return text, args, routeTravel
+	}
+	if fs.preparable(sql) {
+		return sql, args, routePrepare
+	}
+	return sql, args, routeAlone
 }
 
 // isOption reports whether a statement's argument is one of pgx's options.
@@ -192,12 +234,19 @@ func isOption(a any) bool {
 }
 
 func (l *lazyTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
-	bsql, bargs, ok := l.travels(ctx, sql, args, true)
-	if !ok {
+	bsql, bargs, how := l.travels(ctx, sql, args, true)
+	switch how {
+	case routeAlone:
 		if err := l.start(ctx); err != nil {
 			return pgconn.CommandTag{}, err
 		}
 		return l.tx.Exec(ctx, sql, args...)
+	case routePrepare:
+		text, err := l.startAndPrepare(ctx, bsql)
+		if err != nil {
+			return pgconn.CommandTag{}, err
+		}
+		return l.tx.Exec(ctx, text, bargs...)
 	}
 	br, err := l.send(ctx, &bsql, bargs)
 	if err != nil {
@@ -211,12 +260,19 @@ func (l *lazyTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.Comm
 }
 
 func (l *lazyTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
-	bsql, bargs, ok := l.travels(ctx, sql, args, false)
-	if !ok {
+	bsql, bargs, how := l.travels(ctx, sql, args, false)
+	switch how {
+	case routeAlone:
 		if err := l.start(ctx); err != nil {
 			return failedRows{err: err}, err
 		}
 		return l.tx.Query(ctx, sql, args...)
+	case routePrepare:
+		text, err := l.startAndPrepare(ctx, bsql)
+		if err != nil {
+			return failedRows{err: err}, err
+		}
+		return l.tx.Query(ctx, text, bargs...)
 	}
 	br, err := l.send(ctx, &bsql, bargs)
 	if err != nil {
@@ -231,12 +287,19 @@ func (l *lazyTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, 
 }
 
 func (l *lazyTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
-	bsql, bargs, ok := l.travels(ctx, sql, args, false)
-	if !ok {
+	bsql, bargs, how := l.travels(ctx, sql, args, false)
+	switch how {
+	case routeAlone:
 		if err := l.start(ctx); err != nil {
 			return failedRow{err: err}
 		}
 		return l.tx.QueryRow(ctx, sql, args...)
+	case routePrepare:
+		text, err := l.startAndPrepare(ctx, bsql)
+		if err != nil {
+			return failedRow{err: err}
+		}
+		return l.tx.QueryRow(ctx, text, bargs...)
 	}
 	br, err := l.send(ctx, &bsql, bargs)
 	if err != nil {
@@ -260,10 +323,14 @@ func (l *lazyTx) Commit(ctx context.Context) error {
 }
 
 // Rollback rolls back a transaction that began, and is a no-op for one
-// that never did.
+// that never did. A first statement the Run prepared is not sent with
+// BEGIN again on this connection when the transaction failed after it ran.
 func (l *lazyTx) Rollback(ctx context.Context) error {
 	if l.tx == nil {
 		return nil
+	}
+	if l.first != "" && l.err == nil && l.conn.PgConn().TxStatus() == 'E' {
+		l.forgetFirst()
 	}
 	return l.tx.Rollback(ctx)
 }

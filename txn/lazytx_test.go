@@ -172,7 +172,9 @@ func TestConnAfterAFailedStartWritesNothingWithoutTheKey(t *testing.T) {
 // statement's table locks, so a first statement that travelled with BEGIN
 // would wait behind a holder's table lock instead of its key insert being
 // refused at once (rule 4). In those modes BEGIN and the key insert go
-// first; in every mode the twin gets ErrKeyInUse at once.
+// first (unless the Run prepared the statement on that connection before:
+// TestPreparedFirstStatementStillLosesTheKeyAtOnce); in every mode the
+// twin gets ErrKeyInUse at once.
 func TestFirstStatementTravelsOnlyInModesThatPrepareNothing(t *testing.T) {
 	t.Parallel()
 	for _, mode := range []pgx.QueryExecMode{

@@ -95,9 +95,11 @@ func TestFinishedKeyReplaysByteForByteInOneRoundTrip(t *testing.T) {
 // the round trips of the hand-written keyed transaction, with the read of
 // the key that answers a retry in one round trip besides: the read, BEGIN
 // with the key insert and the function's statement, the response with
-// COMMIT. That is in the exec modes that prepare nothing on their own; in
-// the others BEGIN and the key insert go first, alone (one round trip more:
-// see TestFirstStatementTravelsOnlyInModesThatPrepareNothing).
+// COMMIT. That is in the exec mode, which prepares nothing on its own, and
+// in cache_statement once the statement was prepared on the connection
+// (TestFirstStatementPreparedByOneRunTravelsWithBeginInTheNext); otherwise
+// BEGIN and the key insert go first, alone (one round trip more: see
+// TestFirstStatementTravelsOnlyInModesThatPrepareNothing).
 func TestRunRoundTrips(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, nil)

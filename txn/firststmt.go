@@ -1,0 +1,108 @@
+package txn
+
+import (
+	"context"
+	"strings"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// In pgx's cache_statement mode (its default) a statement pgx has not
+// prepared yet is prepared in a round trip of its own, before the rest of
+// a batch: for a function's first statement that would be before BEGIN
+// and the key's insert, taking the statement's table locks before the key
+// (see statementsRide). So a Run's first statement is prepared by the Run
+// itself, inside its transaction after the key is taken, under a text of
+// its own (the statement and firstStatementMark), and recorded on the
+// connection. The next Run on that connection whose first statement is the
+// same finds it prepared, and sends it with BEGIN and the key's insert:
+// 3 round trips, as in the exec mode.
+//
+// The text is the statement with a comment after it, so it means what the
+// statement means, and pgx's own statement cache, which names statements
+// after their text, never holds it. A string without whitespace is taken
+// for the name of a statement the user prepared (pgx runs one by its name)
+// and is never prepared this way; every statement's text has whitespace.
+
+// firstStatementMark ends the text a function's first statement is
+// prepared under.
+const firstStatementMark = "\n-- atomicphase: first statement"
+
+// maxFirstStatements bounds the first statements prepared on a connection.
+// Past it, a first statement goes out as on any pgx.Tx.
+const maxFirstStatements = 64
+
+// firstStatementsKey holds a connection's firstStatements in its
+// pgconn.PgConn's CustomData, which lives and dies with the connection.
+const firstStatementsKey = "atomicphase.txn.first_statements"
+
+// firstStatements are the first statements prepared on a connection, by
+// their SQL.
+type firstStatements struct {
+	bySQL map[string]*firstStatement
+	// eqb encodes a prepared first statement's arguments before it travels:
+	// in this mode pgx encodes a batch's statements only after BEGIN is on
+	// its way, and an argument it cannot encode then ends the connection.
+	eqb pgx.ExtendedQueryBuilder
+}
+
+// firstStatement is one first statement prepared on a connection.
+type firstStatement struct {
+	text string                       // what it was prepared under, and runs by
+	sd   *pgconn.StatementDescription // its parameters, for the encoding check
+	// failed is set once a transaction failed after it ran: the server may
+	// have changed or dropped it under pgx's description, so from then on
+	// it goes out as on any pgx.Tx.
+	failed bool
+}
+
+func firstStatementsOf(conn *pgx.Conn) *firstStatements {
+	data := conn.PgConn().CustomData()
+	if fs, ok := data[firstStatementsKey].(*firstStatements); ok {
+		return fs
+	}
+	fs := &firstStatements{bySQL: map[string]*firstStatement{}}
+	data[firstStatementsKey] = fs
+	return fs
+}
+
+// travelling returns the text sql was prepared under on conn, if it was,
+// has not failed since, and pgx can encode args for it (else pgx would
+// find out with BEGIN on its way).
+func (fs *firstStatements) travelling(conn *pgx.Conn, sql string, args []any) (string, bool) {
+	st, ok := fs.bySQL[sql]
+	if !ok || st.failed || fs.eqb.Build(conn.TypeMap(), st.sd, args) != nil {
+		return "", false
+	}
+	return st.text, true
+}
+
+// preparable reports whether sql may be prepared as a first statement: it
+// was not before on this connection, there is room, and it is a
+// statement's text, not the name of a prepared statement.
+func (fs *firstStatements) preparable(sql string) bool {
+	_, seen := fs.bySQL[sql]
+	return !seen && len(fs.bySQL) < maxFirstStatements && strings.ContainsAny(sql, " \t\r\n")
+}
+
+// prepareFirst prepares the user's first statement sql inside the
+// transaction, which has taken the key, and returns the text to run it by.
+func (l *lazyTx) prepareFirst(ctx context.Context, sql string) (string, error) {
+	text := sql + firstStatementMark
+	sd, err := l.conn.Prepare(ctx, text, text)
+	if err != nil {
+		return "", err // the statement's own error, as pgx's prepare would give it
+	}
+	firstStatementsOf(l.conn).bySQL[sql] = &firstStatement{text: text, sd: sd}
+	l.first = text
+	return text, nil
+}
+
+// forgetFirst marks the first statement the transaction ran by its
+// prepared text as failed, when the transaction failed after it ran.
+func (l *lazyTx) forgetFirst() {
+	if st, ok := firstStatementsOf(l.conn).bySQL[strings.TrimSuffix(l.first, firstStatementMark)]; ok {
+		st.failed = true
+	}
+}
