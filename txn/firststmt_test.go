@@ -3,7 +3,6 @@ package txn_test
 import (
 	"context"
 	"fmt"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -119,26 +118,7 @@ func TestPreparedFirstStatementStillLosesTheKeyAtOnce(t *testing.T) {
 	_, err = r.Run(ctx, chargeKey("k0b", 1), insertCharge(&calls, "warm", 1))
 	require.NoError(t, err)
 
-	locked, release := make(chan struct{}), make(chan struct{})
-	var releaseOnce sync.Once
-	releaseHolder := func() { releaseOnce.Do(func() { close(release) }) }
-	defer releaseHolder()
-	held := make(chan error, 1)
-	go func() {
-		_, err := e.runner.Run(ctx, chargeKey("k1", 1), func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
-			if err := takeKey(ctx, tx); err != nil {
-				return txn.Response{}, err
-			}
-			if _, err := tx.Exec(ctx, `LOCK TABLE charges IN SHARE ROW EXCLUSIVE MODE`); err != nil {
-				return txn.Response{}, err
-			}
-			close(locked)
-			<-release
-			return txn.Response{Status: 201}, nil
-		})
-		held <- err
-	}()
-	<-locked
+	release := holdKeyWithTableLock(ctx, t, e, "k1")
 	short, cancel := context.WithTimeout(ctx, 3*time.Second)
 	defer cancel()
 	rt, prepares := pc.roundTrips(func() {
@@ -147,8 +127,7 @@ func TestPreparedFirstStatementStillLosesTheKeyAtOnce(t *testing.T) {
 	require.ErrorIs(t, err, txn.ErrKeyInUse, "at once, not after a wait on the holder's table lock")
 	require.Equal(t, int64(4), rt, "the read, BEGIN with the key and the statement, the ROLLBACK, the read that answers")
 	require.Zero(t, prepares, "the statement was sent by its prepared text")
-	releaseHolder()
-	require.NoError(t, <-held)
+	require.NoError(t, release())
 	require.Equal(t, int64(3), calls.Load(), "the twin's function ran; its statement did not")
 	require.Zero(t, e.Count(t, `SELECT count(*) FROM charges WHERE ref = 'twin'`))
 

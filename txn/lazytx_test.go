@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -186,33 +185,13 @@ func TestFirstStatementTravelsOnlyInModesThatPrepareNothing(t *testing.T) {
 			e := newEnv(t, nil)
 			ctx := ctxT(t)
 			r, _ := e.countingRunnerIn(t, nil, mode)
-			locked, release := make(chan struct{}), make(chan struct{})
-			var releaseOnce sync.Once
-			releaseHolder := func() { releaseOnce.Do(func() { close(release) }) }
-			defer releaseHolder() // a failed assertion must not leave the holder waiting
-			held := make(chan error, 1)
-			go func() {
-				_, err := e.runner.Run(ctx, chargeKey("k1", 1), func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
-					if err := takeKey(ctx, tx); err != nil {
-						return txn.Response{}, err
-					}
-					if _, err := tx.Exec(ctx, `LOCK TABLE charges IN SHARE ROW EXCLUSIVE MODE`); err != nil {
-						return txn.Response{}, err
-					}
-					close(locked)
-					<-release
-					return txn.Response{Status: 201}, nil
-				})
-				held <- err
-			}()
-			<-locked
+			release := holdKeyWithTableLock(ctx, t, e, "k1")
 			short, cancel := context.WithTimeout(ctx, 3*time.Second)
 			defer cancel()
 			var calls atomic.Int64
 			_, err := r.Run(short, chargeKey("k1", 1), insertCharge(&calls, "twin", 1))
 			require.ErrorIs(t, err, txn.ErrKeyInUse, "at once, not after a wait on the holder's table lock")
-			releaseHolder()
-			require.NoError(t, <-held)
+			require.NoError(t, release())
 			require.Zero(t, e.Count(t, `SELECT count(*) FROM charges`))
 		})
 	}
@@ -443,31 +422,11 @@ func TestExecModeSetPerConnectionIsHonoured(t *testing.T) {
 	})
 	r, err := txn.New(pool, &txn.Config{Workflows: e.reg})
 	require.NoError(t, err)
-	locked, release := make(chan struct{}), make(chan struct{})
-	var releaseOnce sync.Once
-	releaseHolder := func() { releaseOnce.Do(func() { close(release) }) }
-	defer releaseHolder()
-	held := make(chan error, 1)
-	go func() {
-		_, err := e.runner.Run(ctx, chargeKey("k1", 1), func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
-			if err := takeKey(ctx, tx); err != nil {
-				return txn.Response{}, err
-			}
-			if _, err := tx.Exec(ctx, `LOCK TABLE charges IN SHARE ROW EXCLUSIVE MODE`); err != nil {
-				return txn.Response{}, err
-			}
-			close(locked)
-			<-release
-			return txn.Response{Status: 201}, nil
-		})
-		held <- err
-	}()
-	<-locked
+	release := holdKeyWithTableLock(ctx, t, e, "k1")
 	short, cancel := context.WithTimeout(ctx, 3*time.Second)
 	defer cancel()
 	var calls atomic.Int64
 	_, err = r.Run(short, chargeKey("k1", 1), insertCharge(&calls, "twin", 1))
 	require.ErrorIs(t, err, txn.ErrKeyInUse, "at once, not after a wait on the holder's table lock")
-	releaseHolder()
-	require.NoError(t, <-held)
+	require.NoError(t, release())
 }

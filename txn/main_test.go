@@ -309,3 +309,41 @@ func (e *env) failureReason(t *testing.T, key string) string {
 	}
 	return *reason
 }
+
+// holdKeyWithTableLock runs a Run of key on e's runner that takes the key,
+// then holds a lock on charges that a twin's INSERT would wait for, until
+// release: release lets it commit and returns its error. Cleanup releases
+// it too, so a failed assertion does not leave the holder waiting.
+func holdKeyWithTableLock(ctx context.Context, t *testing.T, e *env, key string) (release func() error) {
+	t.Helper()
+	locked, done := make(chan struct{}), make(chan struct{})
+	held := make(chan error, 1)
+	go func() {
+		_, err := e.runner.Run(ctx, chargeKey(key, 1), func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+			if err := takeKey(ctx, tx); err != nil {
+				return txn.Response{}, err
+			}
+			if _, err := tx.Exec(ctx, `LOCK TABLE charges IN SHARE ROW EXCLUSIVE MODE`); err != nil {
+				return txn.Response{}, err
+			}
+			close(locked)
+			<-done
+			return txn.Response{Status: 201}, nil
+		})
+		held <- err
+	}()
+	var once sync.Once
+	var err error
+	release = func() error {
+		once.Do(func() { close(done); err = <-held })
+		return err
+	}
+	t.Cleanup(func() { _ = release() })
+	select {
+	case <-locked:
+	case err := <-held:
+		held <- err // for release, at cleanup
+		t.Fatalf("the holder failed before it held the key: %v", err)
+	}
+	return release
+}

@@ -669,3 +669,40 @@ func TestDatabaseUnavailableIsErrUnavailableAnd503(t *testing.T) {
 	require.NotErrorIs(t, err, txn.ErrUnavailable)
 	require.Equal(t, http.StatusInternalServerError, txn.HTTPStatus(err))
 }
+
+// The id a key gets is allotted by the lookup's nextval, which no commit
+// waits for: after a failover the new primary's sequence can hand out an
+// id that a key inserted since already took. That insert's unique
+// violation on the id is an outage to retry (503), not a failure (500);
+// the retry's lookup allots another id. The sequence is set back here, as
+// a failover would leave it.
+func TestKeyIDTakenAfterAFailoverIsUnavailable(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	var calls atomic.Int64
+	_, err := e.runner.Run(ctx, chargeKey("k1", 1), insertCharge(&calls, "c1", 1))
+	require.NoError(t, err)
+	setBack := func() {
+		_, err := e.Pool.Exec(ctx, `SELECT setval('idempotency_keys_id_seq', (SELECT max(id) FROM idempotency_keys), false)`)
+		require.NoError(t, err)
+	}
+
+	setBack()
+	_, err = e.runner.Run(ctx, chargeKey("k2", 1), insertCharge(&calls, "c2", 1))
+	require.ErrorIs(t, err, txn.ErrUnavailable)
+	require.Equal(t, http.StatusServiceUnavailable, txn.HTTPStatus(err))
+	require.Zero(t, e.Count(t, `SELECT count(*) FROM charges WHERE ref = 'c2'`))
+	resp, err := e.runner.Run(ctx, chargeKey("k2", 1), insertCharge(&calls, "c2", 1))
+	require.NoError(t, err, "the retry")
+	require.Equal(t, 201, resp.Status)
+
+	f := newRideFlow(t, e.reg, "ride")
+	setBack()
+	_, err = e.runner.RunWorkflow(ctx, rideKey("w1"), f.wf)
+	require.ErrorIs(t, err, txn.ErrUnavailable, "a workflow's first phase")
+	resp, err = e.runner.RunWorkflow(ctx, rideKey("w1"), f.wf)
+	require.NoError(t, err, "the retry")
+	require.Equal(t, 201, resp.Status)
+	require.Equal(t, int64(1), f.prov.calls.Load())
+}

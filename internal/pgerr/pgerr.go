@@ -78,6 +78,20 @@ func IsKeyExpired(err error) bool { return Code(err) == KeyExpired }
 // IsUniqueViolation reports a unique-constraint violation.
 func IsUniqueViolation(err error) bool { return Code(err) == UniqueViolation }
 
+// KeyIDConstraint is the primary key of idempotency_keys, on the id the
+// key lookup allots with nextval.
+const KeyIDConstraint = "idempotency_keys_pkey"
+
+// IsKeyIDTaken reports a key inserted with an id another key has. The id
+// is allotted by the lookup's nextval, which no commit waits for, so after
+// a failover the new primary's sequence may stand behind ids handed out by
+// the old one and already inserted: the insert is to be retried with a new
+// lookup, which allots another id.
+func IsKeyIDTaken(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == UniqueViolation && pgErr.ConstraintName == KeyIDConstraint
+}
+
 // IsLockNotAvailable reports a lock that could not be taken without waiting
 // (NOWAIT or lock_timeout).
 func IsLockNotAvailable(err error) bool { return Code(err) == LockNotAvailable }
@@ -134,7 +148,8 @@ func IsReadOnly(err error) bool { return Code(err) == ReadOnlySQLTransaction }
 // may soon: the connection failed or was refused, the server is starting or
 // shutting down (class 57P), it lacks resources such as connection slots
 // (class 53), it reports a system or I/O error (class 58), or it accepts only
-// reads (a failover in progress). Callers retry later rather than treat the
+// reads (a failover in progress), or a key's id was already taken (after a
+// failover: see IsKeyIDTaken). Callers retry later rather than treat the
 // operation as failed; whether a COMMIT sent just before a connection error
 // took effect is still unknown (see IsConnection).
 func IsUnavailable(err error) bool {
@@ -144,7 +159,7 @@ func IsUnavailable(err error) bool {
 	if err == nil || errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
 		return false
 	}
-	if IsReadOnly(err) {
+	if IsReadOnly(err) || IsKeyIDTaken(err) {
 		return true
 	}
 	code := Code(err)
