@@ -25,12 +25,16 @@ FROM (SELECT 1) AS one
 LEFT JOIN idempotency_keys k ON k.scope = @scope AND k.key = @key;
 
 -- name: LookupWorkflowKey :one
--- LookupKey for RunWorkflow: always one row. For a missing key, id is NULL
--- and seed is the foreign-key seed the key will be inserted with (InsertKey
--- takes it back), so that the attempt can derive foreign keys before the
--- insert, which waits for the workflow's first commit. The seed is the
+-- LookupKey for RunWorkflow: always one row. For a missing key, id is NULL,
+-- and new_id and seed are the id and the foreign-key seed the key will be
+-- inserted with (InsertKey takes them back), so that the attempt knows its
+-- key's id and can derive foreign keys before the insert, which waits for
+-- the workflow's first commit, and there for its first statement. The seed is the
 -- body of atomicphase_foreign_key_seed (00010) written out, planned with
--- the statement (see LookupKey).
+-- the statement (see LookupKey). With reject_expired, expired tells, as in
+-- LookupKey, that the key was cleaned up, so that such a retry runs
+-- nothing (its first phase would otherwise run up to its first statement,
+-- which carries the insert that refuses the key).
 SELECT k.id, k.fingerprint, k.workflow, k.recovery_point, k.status,
        coalesce(k.lease_token IS NOT NULL AND k.leased_until > now(), false)::boolean AS lease_live,
        coalesce(greatest(extract(epoch FROM k.leased_until - now()), 0), 0)::float8 AS lease_remaining_seconds,
@@ -39,7 +43,13 @@ SELECT k.id, k.fingerprint, k.workflow, k.recovery_point, k.status,
             THEN coalesce((SELECT (extract(epoch FROM t.finished_at) * 1000000)::bigint
                            FROM idempotency_key_tombstones t
                            WHERE t.scope = @scope AND t.key_hash = sha256(convert_to(@key::text, 'UTF8'))), 0)
-            ELSE 0 END::bigint AS seed
+            ELSE 0 END::bigint AS seed,
+       CASE WHEN k.id IS NULL THEN nextval('idempotency_keys_id_seq') ELSE 0 END::bigint AS new_id,
+       CASE WHEN k.id IS NULL AND @reject_expired::boolean
+            THEN EXISTS (SELECT FROM idempotency_key_tombstones t
+                         WHERE t.scope = @scope AND t.key_hash = sha256(convert_to(@key::text, 'UTF8'))
+                           AND t.expires_at > now())
+            ELSE false END::boolean AS expired
 FROM (SELECT 1) AS one
 LEFT JOIN idempotency_keys k ON k.scope = @scope AND k.key = @key;
 
@@ -73,30 +83,43 @@ WHERE scope = @scope AND key = @key;
 -- the probe written out here, planned with the statement, found one);
 -- otherwise reused_expired says it was one. The
 -- foreign-key seed is stored with the row (migration 00010): the one
--- LookupWorkflowKey read, or if NULL, computed here.
-INSERT INTO idempotency_keys (
-    scope, key, fingerprint, request_method, request_path, request_params_raw,
-    workflow, recovery_point, phase_results, status, lease_token, leased_until,
-    attempts, created_at, last_run_at, foreign_key_seed
-)
-SELECT @scope, @key, @fingerprint, @request_method, @request_path, @request_params::bytea,
-       @workflow, 'started', '{}'::jsonb, 'running', @lease_token::uuid,
-       clock_timestamp() + make_interval(secs => @lease_seconds::float8),
-       1, now(), now(), coalesce(sqlc.narg(seed)::bigint, atomicphase_foreign_key_seed(@scope, @key))
-WHERE pg_try_advisory_xact_lock(
-    hashtextextended(length(@scope::text)::text || ':' || @scope::text || @key::text,
-                    'idempotency_keys'::regclass::oid::bigint))
-  AND (NOT @reject_expired::boolean
-       OR NOT EXISTS (SELECT FROM idempotency_key_tombstones t
+-- LookupWorkflowKey read, or if NULL, computed here; so is the id it
+-- allotted. When it goes out in one round trip with BEGIN and the first
+-- phase's first statement (must_insert), it fails when the key is taken, as
+-- InsertSingleKey does, so that the phase's statement never runs; sent on
+-- its own (before a Foreign phase that comes first, or by an attempt that
+-- lost an insert before), it returns no row instead.
+WITH ins AS (
+    INSERT INTO idempotency_keys (
+        id, scope, key, fingerprint, request_method, request_path, request_params_raw,
+        workflow, recovery_point, phase_results, status, lease_token, leased_until,
+        attempts, created_at, last_run_at, foreign_key_seed
+    )
+    SELECT @id, @scope, @key, @fingerprint, @request_method, @request_path, @request_params::bytea,
+           @workflow, 'started', '{}'::jsonb, 'running', @lease_token::uuid,
+           clock_timestamp() + make_interval(secs => @lease_seconds::float8),
+           1, now(), now(), coalesce(sqlc.narg(seed)::bigint, atomicphase_foreign_key_seed(@scope, @key))
+    WHERE pg_try_advisory_xact_lock(
+        hashtextextended(length(@scope::text)::text || ':' || @scope::text || @key::text,
+                        'idempotency_keys'::regclass::oid::bigint))
+      AND (NOT @reject_expired::boolean
+           OR NOT EXISTS (SELECT FROM idempotency_key_tombstones t
+                         WHERE t.scope = @scope AND t.key_hash = sha256(convert_to(@key::text, 'UTF8'))
+                           AND t.expires_at > now())
+           OR atomicphase_refuse_tombstoned(@scope, @key))
+    ON CONFLICT (scope, key) DO NOTHING
+    RETURNING id, ctid, foreign_key_seed,
+        (NOT @reject_expired::boolean
+         AND EXISTS (SELECT FROM idempotency_key_tombstones t
                      WHERE t.scope = @scope AND t.key_hash = sha256(convert_to(@key::text, 'UTF8'))
-                       AND t.expires_at > now())
-       OR atomicphase_refuse_tombstoned(@scope, @key))
-ON CONFLICT (scope, key) DO NOTHING
-RETURNING id, ctid, foreign_key_seed,
-    (NOT @reject_expired::boolean
-     AND EXISTS (SELECT FROM idempotency_key_tombstones t
-                 WHERE t.scope = @scope AND t.key_hash = sha256(convert_to(@key::text, 'UTF8'))
-                   AND t.expires_at > now()))::boolean AS reused_expired;
+                       AND t.expires_at > now()))::boolean AS reused_expired
+)
+SELECT ins.id::bigint AS id, ins.ctid, ins.foreign_key_seed, coalesce(ins.reused_expired, false)::boolean AS reused_expired
+FROM (SELECT 1) AS one
+LEFT JOIN ins ON true
+WHERE CASE WHEN ins.ctid IS NOT NULL THEN true
+           WHEN @must_insert::boolean THEN 1 / (SELECT count(*)::integer FROM ins) = 1
+           ELSE false END;
 
 -- name: InsertSingleKey :one
 -- Starts a single-phase run: like InsertKey (same lock, same ON CONFLICT
@@ -325,3 +348,4 @@ WITH stored AS (
     RETURNING 1
 )
 SELECT 1 / count(*)::integer FROM stored;
+

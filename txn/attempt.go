@@ -2,6 +2,7 @@ package txn
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"crypto/sha256"
 	"encoding/binary"
@@ -32,7 +33,8 @@ type Attempt struct {
 	r        *Runner
 	req      request
 	workflow string
-	id       int64
+	id       int64       // the key row's id; 0 until this attempt's insert returned it
+	newID    int64       // for a key not stored yet, the id its insert takes (allotted by the lookup)
 	seed     pgtype.Int8 // the key row's foreign-key seed; NULL: derive from id
 	tid      pgtype.TID  // the key row's current ctid, for fenced updates
 	token    uuid.UUID
@@ -51,6 +53,11 @@ type Attempt struct {
 	// inserts the key with its first commit (see newkey.go); raced: that
 	// insert found the key taken by a concurrent attempt.
 	stored, raced bool
+	// eager: the call lost a key's insert before, and may be waiting for
+	// its holder in a loop; the key's insert goes out before the first
+	// phase runs, not with its first statement, so that a call that keeps
+	// losing runs nothing of the phase.
+	eager         bool
 	uncertain     bool      // a first commit may have taken effect unseen
 	reusedExpired bool      // the insert replaced a tombstone (ExpiredKeyNewOperation)
 	began         time.Time // when the attempt started: a first attempt's key is younger
@@ -182,9 +189,14 @@ func runAtomic[T any](ctx context.Context, a *Attempt, name string, fn func(ctx 
 	var zero T
 	var raw []byte
 	var tid pgtype.TID
-	err := a.inTx(ctx, func(tx pgx.Tx) (func(q *db.Queries) error, error) {
+	err := a.inTx(ctx, true, func(tx *lazyTx) (func(q *db.Queries) error, error) {
 		utx := newUserTx(tx)
-		v, err := guard(func() (T, error) { return fn(phasectx.WithKeyID(ctx, a.id), utx) })
+		v, err := guard(func() (T, error) { return fn(phasectx.WithKeyID(ctx, a.keyID()), utx) })
+		// The key insert's outcome comes first: a lost insert aborted the
+		// transaction, whatever fn made of its statements' errors.
+		if serr := tx.start(ctx); serr != nil {
+			return nil, serr
+		}
 		if rerr := utx.retry(); rerr != nil {
 			return nil, rerr // whatever fn made of it
 		}
@@ -382,10 +394,11 @@ func (a *Attempt) phaseStmt(ctx context.Context, name string, raw []byte, tid *p
 		member = append(append(append([]byte(nil), a.pending...), ','), member...)
 	}
 	params := db.CommitPhaseParams{
-		Tid: a.tid, ID: a.id, LeaseToken: a.nullToken(),
-		Phase: name, Member: member, LeaseSeconds: a.r.cfg.LeaseDuration.Seconds(),
+		LeaseToken: a.nullToken(), Phase: name, Member: member, LeaseSeconds: a.r.cfg.LeaseDuration.Seconds(),
 	}
 	return func(q *db.Queries) error {
+		// Read now: a first phase's key insert may have gone out after fn.
+		params.Tid, params.ID = a.tid, a.id
 		row, err := q.CommitPhase(ctx, params)
 		*tid = row.Ctid
 		if err != nil {
@@ -396,6 +409,10 @@ func (a *Attempt) phaseStmt(ctx context.Context, name string, raw []byte, tid *p
 }
 
 func (a *Attempt) nullToken() uuid.NullUUID { return uuid.NullUUID{UUID: a.token, Valid: true} }
+
+// keyID is the key row's id: the one stored, or for a key not stored yet,
+// the one its insert takes.
+func (a *Attempt) keyID() int64 { return cmp.Or(a.id, a.newID) }
 
 // fenced runs a lease-fenced UPDATE on its own (autocommit) that addresses
 // the key row by its ctid and returns the row's new ctid. Addressing by
@@ -482,10 +499,13 @@ func (a *Attempt) Finish(ctx context.Context, fn Func) (Response, error) {
 func (a *Attempt) finish(ctx context.Context, fn Func) (Response, error) {
 	var resp Response
 	stored := true
-	err := a.inTx(ctx, func(tx pgx.Tx) (func(q *db.Queries) error, error) {
+	err := a.inTx(ctx, true, func(tx *lazyTx) (func(q *db.Queries) error, error) {
 		utx := newUserTx(tx)
 		var err error
-		resp, err = guard(func() (Response, error) { return fn(phasectx.WithKeyID(ctx, a.id), utx) })
+		resp, err = guard(func() (Response, error) { return fn(phasectx.WithKeyID(ctx, a.keyID()), utx) })
+		if serr := tx.start(ctx); serr != nil {
+			return nil, serr // the key insert's outcome comes first (see runAtomic)
+		}
 		if rerr := utx.retry(); rerr != nil {
 			return nil, rerr // whatever fn made of it
 		}
@@ -548,6 +568,8 @@ func (a *Attempt) storeStmt(ctx context.Context, resp Response, point string) (f
 		return nil, err
 	}
 	return func(q *db.Queries) error {
+		// Read now: a key insert may have gone out after the statement was built.
+		params.Tid, params.ID = a.tid, a.id
 		_, err := q.FinishKey(ctx, params)
 		return err
 	}, nil

@@ -118,7 +118,7 @@ func TestPreparedFirstStatementStillLosesTheKeyAtOnce(t *testing.T) {
 	_, err = r.Run(ctx, chargeKey("k0b", 1), insertCharge(&calls, "warm", 1))
 	require.NoError(t, err)
 
-	release := holdKeyWithTableLock(ctx, t, e, "k1")
+	release := holdKeyWithTableLock(ctx, t, e, chargeKey("k1", 1))
 	short, cancel := context.WithTimeout(ctx, 3*time.Second)
 	defer cancel()
 	rt, prepares := pc.roundTrips(func() {

@@ -185,7 +185,7 @@ func TestFirstStatementTravelsOnlyInModesThatPrepareNothing(t *testing.T) {
 			e := newEnv(t, nil)
 			ctx := ctxT(t)
 			r, _ := e.countingRunnerIn(t, nil, mode)
-			release := holdKeyWithTableLock(ctx, t, e, "k1")
+			release := holdKeyWithTableLock(ctx, t, e, chargeKey("k1", 1))
 			short, cancel := context.WithTimeout(ctx, 3*time.Second)
 			defer cancel()
 			var calls atomic.Int64
@@ -422,7 +422,7 @@ func TestExecModeSetPerConnectionIsHonoured(t *testing.T) {
 	})
 	r, err := txn.New(pool, &txn.Config{Workflows: e.reg})
 	require.NoError(t, err)
-	release := holdKeyWithTableLock(ctx, t, e, "k1")
+	release := holdKeyWithTableLock(ctx, t, e, chargeKey("k1", 1))
 	short, cancel := context.WithTimeout(ctx, 3*time.Second)
 	defer cancel()
 	var calls atomic.Int64

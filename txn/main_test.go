@@ -191,6 +191,7 @@ type rideFlow struct {
 	wf       *txn.Workflow
 	prov     *provider
 	p1, p3   atomic.Int64 // phase body executions (including rolled-back ones)
+	p1Wrote  atomic.Int64 // p1 executions whose statement ran (it may still roll back)
 	failAt   atomic.Value // string: "after_p1", "after_p2", "in_p3", "foreign"
 	hook     func(point string, a *txn.Attempt)
 	declined bool
@@ -216,6 +217,9 @@ func newRideFlow(t *testing.T, reg *txn.Registry, name string) *rideFlow {
 			f.p1.Add(1)
 			var id int64
 			err := tx.QueryRow(ctx, `INSERT INTO charges (ref, amount, attempt) VALUES ('ride', $1, $2) RETURNING id`, in.Amount, a.Number()).Scan(&id)
+			if err == nil {
+				f.p1Wrote.Add(1)
+			}
 			return ride{ID: id, Amount: in.Amount}, err
 		})
 		if err != nil {
@@ -314,12 +318,12 @@ func (e *env) failureReason(t *testing.T, key string) string {
 // then holds a lock on charges that a twin's INSERT would wait for, until
 // release: release lets it commit and returns its error. Cleanup releases
 // it too, so a failed assertion does not leave the holder waiting.
-func holdKeyWithTableLock(ctx context.Context, t *testing.T, e *env, key string) (release func() error) {
+func holdKeyWithTableLock(ctx context.Context, t *testing.T, e *env, key txn.Key) (release func() error) {
 	t.Helper()
 	locked, done := make(chan struct{}), make(chan struct{})
 	held := make(chan error, 1)
 	go func() {
-		_, err := e.runner.Run(ctx, chargeKey(key, 1), func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+		_, err := e.runner.Run(ctx, key, func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
 			if err := takeKey(ctx, tx); err != nil {
 				return txn.Response{}, err
 			}

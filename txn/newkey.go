@@ -26,10 +26,12 @@ import (
 // looks at the key again.
 
 // insertParams is the key's insert, with the lease this attempt will hold
-// and the foreign-key seed its lookup read.
-func (a *Attempt) insertParams() db.InsertKeyParams {
+// and the id and foreign-key seed its lookup allotted. mustInsert: it goes
+// out with a phase's first statement, and must fail, not insert nothing,
+// when the key is taken (see InsertKey).
+func (a *Attempt) insertParams(mustInsert bool) db.InsertKeyParams {
 	return db.InsertKeyParams{
-		Scope: a.req.key.Scope, Key: a.req.key.Value, Fingerprint: a.req.fingerprint,
+		MustInsert: mustInsert, ID: a.newID, Scope: a.req.key.Scope, Key: a.req.key.Value, Fingerprint: a.req.fingerprint,
 		RequestMethod: a.req.key.Method, RequestPath: a.req.key.Path, RequestParams: a.req.params,
 		Workflow: a.workflow, LeaseToken: a.token, LeaseSeconds: a.r.cfg.LeaseDuration.Seconds(),
 		Seed: a.seed, RejectExpired: a.r.cfg.ExpiredKeyPolicy == ExpiredKeyReject,
@@ -56,7 +58,7 @@ func (a *Attempt) committedKey(ctx context.Context, sent time.Time) {
 
 // insertFailed interprets an insert that returned no row or an error.
 func (a *Attempt) insertFailed(ctx context.Context, err error) error {
-	if errors.Is(err, pgx.ErrNoRows) {
+	if errors.Is(err, pgx.ErrNoRows) || pgerr.Code(err) == pgerr.DivisionByZero {
 		// Held by an uncommitted attempt, or committed since our lookup.
 		a.raced = true
 		return errRaced
@@ -69,7 +71,7 @@ func (a *Attempt) insertFailed(ctx context.Context, err error) error {
 func (a *Attempt) insertKey(ctx context.Context) error {
 	a.at(txnhook.BeforeCommit, txnhook.CommitKey, "", "")
 	sent := time.Now()
-	ins, err := a.r.q.InsertKey(ctx, a.insertParams())
+	ins, err := a.r.q.InsertKey(ctx, a.insertParams(false))
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
 		return a.insertFailed(ctx, err)
@@ -90,17 +92,19 @@ func (a *Attempt) insertKey(ctx context.Context) error {
 // inTx runs body in a SERIALIZABLE transaction on a connection of its own
 // and commits it with the statement body returns (the key row's fenced
 // update), sent with COMMIT in one round trip. If the key is not stored
-// yet, the transaction inserts it first, sent with BEGIN, and body runs with
-// the inserted row as the attempt's (a.id, a.tid). Serialization failures
+// yet, the transaction inserts it first, sent with BEGIN: with body's first
+// statement when lazy (body runs user code, and must call tx.start once it
+// ran, for the insert's outcome), else before body runs. The inserted row
+// is then the attempt's (a.id, a.tid). Serialization failures
 // and deadlocks run the whole transaction again (Runner.retryTx); so does a
 // key row found moved, once, after locating it (Attempt.relocate).
-func (a *Attempt) inTx(ctx context.Context, body func(tx pgx.Tx) (commit func(q *db.Queries) error, err error)) error {
+func (a *Attempt) inTx(ctx context.Context, lazy bool, body func(tx *lazyTx) (commit func(q *db.Queries) error, err error)) error {
 	var sent time.Time
 	relocated := false
 	err := a.r.retryTx(ctx, func() error {
 		for {
 			sent = time.Now()
-			err := a.txOnce(ctx, body)
+			err := a.txOnce(ctx, lazy && !a.eager, body)
 			if !errors.Is(err, errRowMoved) || !a.stored {
 				return err
 			}
@@ -122,20 +126,21 @@ func (a *Attempt) inTx(ctx context.Context, body func(tx pgx.Tx) (commit func(q 
 	return nil
 }
 
-func (a *Attempt) txOnce(ctx context.Context, body func(tx pgx.Tx) (func(q *db.Queries) error, error)) error {
+func (a *Attempt) txOnce(ctx context.Context, lazy bool, body func(tx *lazyTx) (func(q *db.Queries) error, error)) error {
 	conn, err := a.r.pool.Acquire(ctx)
 	if err != nil {
 		return fmt.Errorf("acquire: %w", err)
 	}
 	defer conn.Release()
-	tx := a.newTx(ctx, conn.Conn())
+	tx := a.newTx(ctx, conn.Conn(), lazy)
+	idBefore := a.id // an uncertain first commit's, kept for the release
 	committed := false
 	defer func() {
 		if !committed {
 			a.r.rollback(ctx, tx) // a no-op when the batch ended the transaction or none began
 		}
 	}()
-	if !a.stored {
+	if !a.stored && !lazy {
 		// The key's insert, before the phase runs.
 		if err := tx.start(ctx); err != nil {
 			return err
@@ -147,7 +152,7 @@ func (a *Attempt) txOnce(ctx context.Context, body func(tx pgx.Tx) (func(q *db.Q
 	}
 	if err != nil {
 		if !a.stored {
-			a.id = 0 // rolled back: nothing of the insert is left to release
+			a.id = idBefore // rolled back: nothing of this insert is left to release
 		}
 		return err
 	}
@@ -163,14 +168,14 @@ func (a *Attempt) txOnce(ctx context.Context, body func(tx pgx.Tx) (func(q *db.Q
 
 // newTx returns the phase's transaction. For a stored key, BEGIN goes out
 // with the phase's first statement (see lazyTx); for a key not stored yet,
-// it goes out with the key's insert, which txOnce sends before the phase
-// runs.
-func (a *Attempt) newTx(ctx context.Context, conn *pgx.Conn) *lazyTx {
+// with the key's insert, and when lazy, the phase's first statement after
+// it (else txOnce sends the insert before the phase runs).
+func (a *Attempt) newTx(ctx context.Context, conn *pgx.Conn, lazy bool) *lazyTx {
 	opts := pgx.TxOptions{IsoLevel: pgx.Serializable}
 	if a.stored {
 		return newLazyTx(ctx, conn, opts, opener{}, a.r.connExecMode(conn))
 	}
-	params := a.insertParams()
+	params := a.insertParams(lazy)
 	return newLazyTx(ctx, conn, opts, opener{
 		queue: func(b *pgx.Batch) { _, _ = db.New(pgbatch.Queue{B: b}).InsertKey(ctx, params) },
 		read: func(br pgx.BatchResults) error {
@@ -197,7 +202,7 @@ func (a *Attempt) storeTerminal(ctx context.Context, resp Response) error {
 	if a.stored {
 		err = a.storeAlone(ctx, resp, point)
 	} else {
-		err = a.inTx(ctx, func(pgx.Tx) (func(q *db.Queries) error, error) { return a.storeStmt(ctx, resp, point) })
+		err = a.inTx(ctx, false, func(*lazyTx) (func(q *db.Queries) error, error) { return a.storeStmt(ctx, resp, point) })
 		if err != nil && !errors.Is(err, ErrLeaseLost) {
 			err = fmt.Errorf("store response: %w", err)
 		}

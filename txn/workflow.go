@@ -59,8 +59,9 @@ func (r *Runner) runWorkflow(ctx context.Context, key Key, wf *Workflow) (Respon
 	if err != nil {
 		return Response{}, fmt.Errorf("txn: run workflow %q: %w", wf.name, err)
 	}
-	raced := false  // the last attempt lost the key's insert to a concurrent one
-	waited := false // the call waited for the key's holder (Config.WaitWhenInUse)
+	raced := false     // the last attempt lost the key's insert to a concurrent one
+	contended := false // an attempt lost the key's insert: insert it before a phase runs (see Attempt.eager)
+	waited := false    // the call waited for the key's holder (Config.WaitWhenInUse)
 	for {
 		if err := ctx.Err(); err != nil {
 			return Response{}, fmt.Errorf("txn: run workflow %q: %w", wf.name, err)
@@ -79,11 +80,12 @@ func (r *Runner) runWorkflow(ctx context.Context, key Key, wf *Workflow) (Respon
 			return resp, nil
 		}
 		noteAttempt(ctx, a.number)
+		a.eager = contended
 		resp, err = r.execute(ctx, a, wf)
 		if errors.Is(err, errRaced) {
 			// Another attempt inserted the key first: committed (the next
 			// lookup sees it) or still in flight.
-			raced = true
+			raced, contended = true, true
 			continue
 		}
 		return resp, err
@@ -97,15 +99,24 @@ func (r *Runner) runWorkflow(ctx context.Context, key Key, wf *Workflow) (Respon
 // last attempt lost the key's insert: a key still missing is then being
 // inserted by another attempt's uncommitted transaction.
 func (r *Runner) acquire(ctx context.Context, req request, workflow string, raced bool) (*Attempt, Response, error) {
-	row, err := r.q.LookupWorkflowKey(ctx, db.LookupWorkflowKeyParams{Scope: req.key.Scope, Key: req.key.Value})
+	row, err := r.q.LookupWorkflowKey(ctx, db.LookupWorkflowKeyParams{
+		Scope: req.key.Scope, Key: req.key.Value, RejectExpired: r.cfg.ExpiredKeyPolicy == ExpiredKeyReject,
+	})
 	if err != nil {
 		return nil, Response{}, fmt.Errorf("look up key: %w", err)
+	}
+	if row.Expired {
+		return nil, Response{}, r.expiredKey(ctx, req, workflow)
 	}
 	if !row.ID.Valid {
 		if raced {
 			return nil, Response{}, r.heldByOther(ctx, req, statusRunning, pointStarted, 0)
 		}
-		return r.newAttempt(req, workflow, 0, pgtype.Int8{Int64: row.Seed, Valid: true}, pgtype.TID{}, uuid.New(), 1, pointStarted, nil, nil)
+		a, resp, err := r.newAttempt(req, workflow, 0, pgtype.Int8{Int64: row.Seed, Valid: true}, pgtype.TID{}, uuid.New(), 1, pointStarted, nil, nil)
+		if a != nil {
+			a.newID = row.NewID
+		}
+		return a, resp, err
 	}
 	resp, err := r.existing(ctx, req, workflow, db.LookupKeyRow{
 		ID: row.ID, Fingerprint: row.Fingerprint, Workflow: row.Workflow,

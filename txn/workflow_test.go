@@ -16,6 +16,8 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/atomicphase/atomicphase/internal/pgtest"
+	"github.com/atomicphase/atomicphase/internal/txnhook"
 	"github.com/atomicphase/atomicphase/txn"
 )
 
@@ -276,7 +278,11 @@ func TestFiftyGoroutinesOnOneWorkflowKeyRunEachPhaseOnce(t *testing.T) {
 	close(start)
 	wg.Wait()
 	require.GreaterOrEqual(t, ok.Load(), int64(1))
-	require.Equal(t, int64(1), f.p1.Load())
+	// The first phase takes the key with its first statement: a call that
+	// loses the insert has run its phase up to that statement, which never
+	// ran (the insert's error aborted the transaction before it).
+	require.Equal(t, int64(1), f.p1Wrote.Load(), "one run of the first phase got past its statement")
+	require.LessOrEqual(t, f.p1.Load(), int64(50), "a call that lost the key once does not run the phase again")
 	require.Equal(t, int64(1), f.p3.Load())
 	require.Equal(t, int64(1), f.prov.calls.Load())
 	require.Equal(t, 2, e.Count(t, `SELECT count(*) FROM charges`))
@@ -799,6 +805,18 @@ func chargeFirst(t *testing.T, e *env, prov *provider, runs *atomic.Int64) *txn.
 	return wf
 }
 
+// cutKeyInsert arms proxy, as r's attempt sends its key's insert on its own
+// (autocommit, before a Foreign phase that comes first), to cut the
+// insert's answer once the insert committed; only the first one.
+func cutKeyInsert(r *txn.Runner, proxy *pgtest.Proxy) {
+	var armed atomic.Bool
+	txnhook.Install(r, func(ev txnhook.Event) {
+		if ev.Point == txnhook.BeforeCommit && ev.Commit == txnhook.CommitKey && armed.CompareAndSwap(false, true) {
+			proxy.CutAfterNextStatement("SELECT 1") // the insert returns its row through a SELECT (InsertKey)
+		}
+	})
+}
+
 func TestInsertCutAndRemovalTimedOutIsUnavailable(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, nil)
@@ -811,7 +829,7 @@ func TestInsertCutAndRemovalTimedOutIsUnavailable(t *testing.T) {
 	require.NoError(t, pool.Ping(ctx)) // a connection in the pool before the latency
 
 	proxy.SetLatency(300 * time.Millisecond) // slower than ReleaseTimeout: the removal times out
-	proxy.CutAfterNextStatement("INSERT 0 1")
+	cutKeyInsert(r, proxy)
 	_, err = r.RunWorkflow(ctx, rideKey("k1"), wf)
 	require.Error(t, err)
 	require.ErrorIs(t, err, txn.ErrUnavailable, "%v", err)
@@ -840,7 +858,7 @@ func TestAmbiguousKeyInsertDoesNotHoldTheKeyForALease(t *testing.T) {
 	var runs atomic.Int64
 	wf := chargeFirst(t, e, prov, &runs)
 
-	proxy.CutAfterNextStatement("INSERT 0 1")
+	cutKeyInsert(r, proxy)
 	_, err = r.RunWorkflow(ctx, rideKey("k1"), wf)
 	require.Error(t, err, "the caller sees the insert fail")
 	select {
@@ -880,7 +898,7 @@ func TestWorkflowFirstAttemptCommitsTwice(t *testing.T) {
 	e := newEnv(t, nil)
 	ctx := ctxT(t)
 	writes := keyWrites(t, e)
-	r, qc := e.countingRunner(t, nil)
+	r, qc := e.countingRunnerIn(t, nil, pgx.QueryExecModeExec)
 	f := newRideFlow(t, e.reg, "ride")
 
 	resp, err := r.RunWorkflow(ctx, rideKey("k1"), f.wf)
@@ -892,10 +910,12 @@ func TestWorkflowFirstAttemptCommitsTwice(t *testing.T) {
 	require.Equal(t, "finished", k.Status)
 	require.False(t, k.LeaseHeld)
 	require.Equal(t, `{"ride_created":{"id":1,"amount":1250},"charge_created":"ch_1"}`, storedResults(t, e, "k1"))
-	// The read; BEGIN with the key insert; the phase's insert; the phase
-	// record with COMMIT; the check before the call (a read); BEGIN with
-	// the final phase's insert; the response with COMMIT.
-	require.Equal(t, int64(7), qc.n.Load(), "round trips")
+	// The read; BEGIN with the key insert and the phase's insert (in pgx's
+	// default mode once the connection prepared that insert: see
+	// TestWorkflowFirstPhaseTakesTheKeyWithItsFirstStatement); the phase
+	// record with COMMIT; the check before the call (a read); BEGIN with the
+	// final phase's insert; the response with COMMIT.
+	require.Equal(t, int64(6), qc.n.Load(), "round trips")
 
 	before := qc.n.Load()
 	again, err := r.RunWorkflow(ctx, rideKey("k1"), f.wf)
@@ -903,6 +923,133 @@ func TestWorkflowFirstAttemptCommitsTwice(t *testing.T) {
 	require.True(t, again.Replayed)
 	require.Equal(t, int64(1), qc.n.Load()-before, "a replay is one round trip")
 	require.Equal(t, 2, writes())
+}
+
+// A first attempt's key goes out with BEGIN and its first phase's first
+// statement, as a Run's does: in pgx's default mode once a workflow
+// prepared that statement on the connection (after the key, so the first
+// such workflow pays a round trip and the prepare more), in the exec mode
+// always. The phase knows its key's id before the key is inserted.
+func TestWorkflowFirstPhaseTakesTheKeyWithItsFirstStatement(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	r, pc := e.oneConnRunner(t, nil)
+	wf := txn.NewWorkflow("first_phase_rides", func(ctx context.Context, a *txn.Attempt) (txn.Response, error) {
+		_, err := txn.Atomic(ctx, a, "charged", func(ctx context.Context, tx pgx.Tx) (int64, error) {
+			_, ref := a.Key()
+			_, err := tx.Exec(ctx, `INSERT INTO charges (ref, amount) VALUES ($1, 1)`, ref)
+			return 0, err
+		})
+		if err != nil {
+			return txn.Response{}, err
+		}
+		return a.Finish(ctx, func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+			_, ref := a.Key()
+			if _, err := tx.Exec(ctx, `UPDATE charges SET amount = 2 WHERE ref = $1`, ref); err != nil {
+				return txn.Response{}, err
+			}
+			return txn.JSON(201, map[string]int{"attempt": a.Number()})
+		})
+	})
+	require.NoError(t, e.reg.Register(wf))
+	keyIDs := make(chan int64, 4)
+	idWf := txn.NewWorkflow("first_phase_key_id", func(ctx context.Context, a *txn.Attempt) (txn.Response, error) {
+		_, err := txn.Atomic(ctx, a, "noted", func(ctx context.Context, tx pgx.Tx) (int64, error) {
+			var id int64
+			err := tx.QueryRow(ctx, `SELECT id FROM idempotency_keys WHERE scope = $1 AND key = $2`, "user_1", "id1").Scan(&id)
+			keyIDs <- id
+			return id, err
+		})
+		if err != nil {
+			return txn.Response{}, err
+		}
+		return txn.JSON(200, map[string]string{})
+	})
+	require.NoError(t, e.reg.Register(idWf))
+
+	// The first on the connection: BEGIN with the key goes first, then the
+	// prepare of the phase's statement (not a query: not counted here).
+	rt, _ := pc.roundTrips(func() {
+		_, err := r.RunWorkflow(ctx, rideKey("w1"), wf)
+		require.NoError(t, err)
+	})
+	require.Equal(t, int64(6), rt, "the read, BEGIN with the key, the phase's insert, the record with COMMIT, "+
+		"BEGIN with Finish's statement, the response with COMMIT")
+	rt, prepares := pc.roundTrips(func() {
+		_, err := r.RunWorkflow(ctx, rideKey("w2"), wf)
+		require.NoError(t, err)
+	})
+	require.Equal(t, int64(5), rt, "the read, BEGIN with the key and the phase's insert, the record with COMMIT, "+
+		"BEGIN with Finish's statement, the response with COMMIT")
+	require.Zero(t, prepares)
+	require.Equal(t, 2, e.Count(t, `SELECT count(*) FROM charges`))
+
+	// The phase runs inside the transaction that inserted its key, and
+	// sees the row (its first statement went out after the insert).
+	_, err := r.RunWorkflow(ctx, rideKey("id1"), idWf)
+	require.NoError(t, err)
+	var stored int64
+	require.NoError(t, e.Pool.QueryRow(ctx, `SELECT id FROM idempotency_keys WHERE key = 'id1'`).Scan(&stored))
+	require.Equal(t, stored, <-keyIDs)
+}
+
+// Rule 4 for a workflow whose first phase's statement travels with the
+// key's insert: the insert fails before the statement runs, so a twin gets
+// ErrKeyInUse at once, not after a wait on its holder's table lock, and
+// nothing of its phase is written.
+func TestWorkflowTwinLosesTheKeyAtOnceWhileItsFirstStatementTravels(t *testing.T) {
+	t.Parallel()
+	for _, mode := range []pgx.QueryExecMode{pgx.QueryExecModeExec, pgx.QueryExecModeCacheStatement} {
+		t.Run(mode.String(), func(t *testing.T) {
+			t.Parallel()
+			e := newEnv(t, nil)
+			ctx := ctxT(t)
+			r, _ := e.oneConnRunner(t, func(c *pgxpool.Config) { c.ConnConfig.DefaultQueryExecMode = mode })
+			f := newRideFlow(t, e.reg, "ride")
+			_, err := r.RunWorkflow(ctx, rideKey("warm"), f.wf) // prepares the first statement in cache_statement
+			require.NoError(t, err)
+
+			release := holdKeyWithTableLock(ctx, t, e, rideKey("k1"))
+			short, cancel := context.WithTimeout(ctx, 3*time.Second)
+			defer cancel()
+			_, err = r.RunWorkflow(short, rideKey("k1"), f.wf)
+			require.ErrorIs(t, err, txn.ErrKeyInUse, "at once, not after a wait on the holder's table lock")
+			require.NoError(t, release())
+			require.Equal(t, int64(2), f.p1.Load(), "the twin's phase ran; its statement did not")
+			require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM charges WHERE ref = 'ride'`))
+			require.Equal(t, int64(1), f.prov.calls.Load())
+		})
+	}
+}
+
+// A workflow that waits for its key's holder (WaitWhenInUse) and lost the
+// key's insert once inserts it on its own before the phase runs from then
+// on, so that its first phase does not run again and again while it waits.
+func TestWorkflowWaitingForItsKeyDoesNotRunItsFirstPhaseWhileItWaits(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	f := newRideFlow(t, e.reg, "ride")
+	waiter, err := txn.New(e.NewPool(t, func(c *pgxpool.Config) {
+		c.ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeExec
+	}), &txn.Config{Workflows: e.reg, WaitWhenInUse: true, WaitPollInterval: 5 * time.Millisecond})
+	require.NoError(t, err)
+
+	release := holdKeyWithTableLock(ctx, t, e, rideKey("k1"))
+	done := make(chan error, 1)
+	go func() {
+		_, err := waiter.RunWorkflow(ctx, rideKey("k1"), f.wf)
+		done <- err
+	}()
+	time.Sleep(300 * time.Millisecond) // about 60 polls
+	require.NoError(t, release())
+	err = <-done
+	// The holder was a single-phase Run: the waiter finds the key finished
+	// by another operation.
+	require.ErrorIs(t, err, txn.ErrKeyReused)
+	require.LessOrEqual(t, f.p1.Load(), int64(1), "the first phase ran at most once, before the first lost insert")
+	require.Zero(t, e.Count(t, `SELECT count(*) FROM charges WHERE ref = 'ride'`))
 }
 
 // A workflow that fails before its first commit leaves no key: nothing
@@ -928,22 +1075,25 @@ func TestWorkflowErrorBeforeItsFirstCommitLeavesNoKey(t *testing.T) {
 	require.Equal(t, 1, readKey(t, e.Pool, "user_1", "k1").Attempts, "the retry was a first attempt")
 }
 
-// While a first attempt's first phase (which inserts the key) is open, a
-// concurrent attempt on the key gets ErrKeyInUse at once, runs nothing, and
-// in wait mode replays the first attempt's response once it finishes.
+// While a first attempt's first phase (which inserts the key with its
+// first statement) is open, a concurrent attempt on the key gets
+// ErrKeyInUse at once, commits nothing, and in wait mode replays the first
+// attempt's response once it finishes.
 func TestTwinOfAnUncommittedFirstPhaseIsKeyInUseOrWaits(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, nil)
 	ctx := ctxT(t)
 	inPhase, release := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	t.Cleanup(func() { once.Do(func() { close(release) }) }) // a failed assertion does not leave the holder waiting
 	var held atomic.Bool
 	wf := txn.NewWorkflow("slow_first_phase", func(ctx context.Context, a *txn.Attempt) (txn.Response, error) {
 		if _, err := txn.Atomic(ctx, a, "reserved", func(ctx context.Context, tx pgx.Tx) (int, error) {
-			if held.CompareAndSwap(false, true) {
-				close(inPhase)
+			_, err := tx.Exec(ctx, `INSERT INTO charges (ref, amount) VALUES ('reserved', 1)`)
+			if err == nil && held.CompareAndSwap(false, true) {
+				close(inPhase) // the key is taken
 				<-release
 			}
-			_, err := tx.Exec(ctx, `INSERT INTO charges (ref, amount) VALUES ('reserved', 1)`)
 			return 1, err
 		}); err != nil {
 			return txn.Response{}, err
@@ -970,7 +1120,7 @@ func TestTwinOfAnUncommittedFirstPhaseIsKeyInUseOrWaits(t *testing.T) {
 	}()
 	// The waiter polls the uncommitted key: only then is the holder let go.
 	require.Eventually(t, func() bool { return waiter.Stats().Waited == 1 }, 10*time.Second, time.Millisecond)
-	close(release)
+	once.Do(func() { close(release) })
 	require.NoError(t, <-first)
 	resp := <-waited
 	require.True(t, resp.Replayed)

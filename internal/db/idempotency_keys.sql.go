@@ -273,32 +273,42 @@ func (q *Queries) FinishSingleKey(ctx context.Context, arg FinishSingleKeyParams
 }
 
 const insertKey = `-- name: InsertKey :one
-INSERT INTO idempotency_keys (
-    scope, key, fingerprint, request_method, request_path, request_params_raw,
-    workflow, recovery_point, phase_results, status, lease_token, leased_until,
-    attempts, created_at, last_run_at, foreign_key_seed
+WITH ins AS (
+    INSERT INTO idempotency_keys (
+        id, scope, key, fingerprint, request_method, request_path, request_params_raw,
+        workflow, recovery_point, phase_results, status, lease_token, leased_until,
+        attempts, created_at, last_run_at, foreign_key_seed
+    )
+    SELECT $2, $3, $4, $5, $6, $7, $8::bytea,
+           $9, 'started', '{}'::jsonb, 'running', $10::uuid,
+           clock_timestamp() + make_interval(secs => $11::float8),
+           1, now(), now(), coalesce($12::bigint, atomicphase_foreign_key_seed($3, $4))
+    WHERE pg_try_advisory_xact_lock(
+        hashtextextended(length($3::text)::text || ':' || $3::text || $4::text,
+                        'idempotency_keys'::regclass::oid::bigint))
+      AND (NOT $13::boolean
+           OR NOT EXISTS (SELECT FROM idempotency_key_tombstones t
+                         WHERE t.scope = $3 AND t.key_hash = sha256(convert_to($4::text, 'UTF8'))
+                           AND t.expires_at > now())
+           OR atomicphase_refuse_tombstoned($3, $4))
+    ON CONFLICT (scope, key) DO NOTHING
+    RETURNING id, ctid, foreign_key_seed,
+        (NOT $13::boolean
+         AND EXISTS (SELECT FROM idempotency_key_tombstones t
+                     WHERE t.scope = $3 AND t.key_hash = sha256(convert_to($4::text, 'UTF8'))
+                       AND t.expires_at > now()))::boolean AS reused_expired
 )
-SELECT $1, $2, $3, $4, $5, $6::bytea,
-       $7, 'started', '{}'::jsonb, 'running', $8::uuid,
-       clock_timestamp() + make_interval(secs => $9::float8),
-       1, now(), now(), coalesce($10::bigint, atomicphase_foreign_key_seed($1, $2))
-WHERE pg_try_advisory_xact_lock(
-    hashtextextended(length($1::text)::text || ':' || $1::text || $2::text,
-                    'idempotency_keys'::regclass::oid::bigint))
-  AND (NOT $11::boolean
-       OR NOT EXISTS (SELECT FROM idempotency_key_tombstones t
-                     WHERE t.scope = $1 AND t.key_hash = sha256(convert_to($2::text, 'UTF8'))
-                       AND t.expires_at > now())
-       OR atomicphase_refuse_tombstoned($1, $2))
-ON CONFLICT (scope, key) DO NOTHING
-RETURNING id, ctid, foreign_key_seed,
-    (NOT $11::boolean
-     AND EXISTS (SELECT FROM idempotency_key_tombstones t
-                 WHERE t.scope = $1 AND t.key_hash = sha256(convert_to($2::text, 'UTF8'))
-                   AND t.expires_at > now()))::boolean AS reused_expired
+SELECT ins.id::bigint AS id, ins.ctid, ins.foreign_key_seed, coalesce(ins.reused_expired, false)::boolean AS reused_expired
+FROM (SELECT 1) AS one
+LEFT JOIN ins ON true
+WHERE CASE WHEN ins.ctid IS NOT NULL THEN true
+           WHEN $1::boolean THEN 1 / (SELECT count(*)::integer FROM ins) = 1
+           ELSE false END
 `
 
 type InsertKeyParams struct {
+	MustInsert    bool
+	ID            int64
 	Scope         string
 	Key           string
 	Fingerprint   []byte
@@ -335,9 +345,16 @@ type InsertKeyRow struct {
 // the probe written out here, planned with the statement, found one);
 // otherwise reused_expired says it was one. The
 // foreign-key seed is stored with the row (migration 00010): the one
-// LookupWorkflowKey read, or if NULL, computed here.
+// LookupWorkflowKey read, or if NULL, computed here; so is the id it
+// allotted. When it goes out in one round trip with BEGIN and the first
+// phase's first statement (must_insert), it fails when the key is taken, as
+// InsertSingleKey does, so that the phase's statement never runs; sent on
+// its own (before a Foreign phase that comes first, or by an attempt that
+// lost an insert before), it returns no row instead.
 func (q *Queries) InsertKey(ctx context.Context, arg InsertKeyParams) (InsertKeyRow, error) {
 	row := q.db.QueryRow(ctx, insertKey,
+		arg.MustInsert,
+		arg.ID,
 		arg.Scope,
 		arg.Key,
 		arg.Fingerprint,
@@ -619,14 +636,21 @@ SELECT k.id, k.fingerprint, k.workflow, k.recovery_point, k.status,
             THEN coalesce((SELECT (extract(epoch FROM t.finished_at) * 1000000)::bigint
                            FROM idempotency_key_tombstones t
                            WHERE t.scope = $1 AND t.key_hash = sha256(convert_to($2::text, 'UTF8'))), 0)
-            ELSE 0 END::bigint AS seed
+            ELSE 0 END::bigint AS seed,
+       CASE WHEN k.id IS NULL THEN nextval('idempotency_keys_id_seq') ELSE 0 END::bigint AS new_id,
+       CASE WHEN k.id IS NULL AND $3::boolean
+            THEN EXISTS (SELECT FROM idempotency_key_tombstones t
+                         WHERE t.scope = $1 AND t.key_hash = sha256(convert_to($2::text, 'UTF8'))
+                           AND t.expires_at > now())
+            ELSE false END::boolean AS expired
 FROM (SELECT 1) AS one
 LEFT JOIN idempotency_keys k ON k.scope = $1 AND k.key = $2
 `
 
 type LookupWorkflowKeyParams struct {
-	Scope string
-	Key   string
+	Scope         string
+	Key           string
+	RejectExpired bool
 }
 
 type LookupWorkflowKeyRow struct {
@@ -642,16 +666,22 @@ type LookupWorkflowKeyRow struct {
 	ResponseHeaders       json.RawMessage
 	ResponseBody          []byte
 	Seed                  int64
+	NewID                 int64
+	Expired               bool
 }
 
-// LookupKey for RunWorkflow: always one row. For a missing key, id is NULL
-// and seed is the foreign-key seed the key will be inserted with (InsertKey
-// takes it back), so that the attempt can derive foreign keys before the
-// insert, which waits for the workflow's first commit. The seed is the
+// LookupKey for RunWorkflow: always one row. For a missing key, id is NULL,
+// and new_id and seed are the id and the foreign-key seed the key will be
+// inserted with (InsertKey takes them back), so that the attempt knows its
+// key's id and can derive foreign keys before the insert, which waits for
+// the workflow's first commit, and there for its first statement. The seed is the
 // body of atomicphase_foreign_key_seed (00010) written out, planned with
-// the statement (see LookupKey).
+// the statement (see LookupKey). With reject_expired, expired tells, as in
+// LookupKey, that the key was cleaned up, so that such a retry runs
+// nothing (its first phase would otherwise run up to its first statement,
+// which carries the insert that refuses the key).
 func (q *Queries) LookupWorkflowKey(ctx context.Context, arg LookupWorkflowKeyParams) (LookupWorkflowKeyRow, error) {
-	row := q.db.QueryRow(ctx, lookupWorkflowKey, arg.Scope, arg.Key)
+	row := q.db.QueryRow(ctx, lookupWorkflowKey, arg.Scope, arg.Key, arg.RejectExpired)
 	var i LookupWorkflowKeyRow
 	err := row.Scan(
 		&i.ID,
@@ -666,6 +696,8 @@ func (q *Queries) LookupWorkflowKey(ctx context.Context, arg LookupWorkflowKeyPa
 		&i.ResponseHeaders,
 		&i.ResponseBody,
 		&i.Seed,
+		&i.NewID,
+		&i.Expired,
 	)
 	return i, err
 }
