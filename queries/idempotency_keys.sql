@@ -349,3 +349,24 @@ WITH stored AS (
 )
 SELECT 1 / count(*)::integer FROM stored;
 
+-- name: FailKeyEndedByFunction :execrows
+-- Fails the key of an attempt whose function ended its transaction through
+-- SQL (failure.ReasonEndedByFunction): what the function wrote before may
+-- have committed without the phase's outcome, so the operation must not
+-- run again. A workflow's key is fenced by the attempt's lease (its insert
+-- may have committed with the function's COMMIT). A single-phase key
+-- (lease_token NULL) was inserted terminal with its provisional 500
+-- (InsertSingleKey), under the id only this attempt was allotted; nothing
+-- else writes it before its FinishSingleKey, which never went out.
+UPDATE idempotency_keys
+SET status = 'failed',
+    failure_reason = @failure_reason,
+    response_status = @response_status::integer,
+    response_headers = sqlc.arg(response_headers)::text::jsonb,
+    response_body = @response_body::bytea,
+    finished_at = now(),
+    lease_token = NULL,
+    leased_until = NULL
+WHERE id = @id
+  AND CASE WHEN sqlc.narg(lease_token)::uuid IS NULL THEN status = 'finished' AND workflow = ''
+           ELSE status = 'running' AND lease_token = sqlc.narg(lease_token)::uuid END;

@@ -47,6 +47,9 @@ type Attempt struct {
 	closed   bool      // Finish ran
 	finished *Response // stored by Finish
 	tooOld   *Response // stored instead of a foreign call: the key is past MaxAge
+	// endedBySQL: a phase's function ended its transaction through SQL, and
+	// the key was failed (see Runner.failEndedKey); nothing more runs.
+	endedBySQL bool
 
 	// stored: the key row is this attempt's (taken over, or inserted by a
 	// committed transaction). A first attempt starts without it and
@@ -126,6 +129,8 @@ func (a *Attempt) enter(name string) error {
 		return fmt.Errorf("%w: phase %q after Finish", ErrInvalidUse, name)
 	case a.tooOld != nil:
 		return fmt.Errorf("phase %q: %w", name, errTooOld)
+	case a.endedBySQL:
+		return fmt.Errorf("phase %q: %w", name, errEndedBySQL)
 	case name == "" || len(name) > 200 || !utf8.ValidString(name) || strings.IndexByte(name, 0) >= 0:
 		return fmt.Errorf("%w: phase name must be 1-200 bytes of UTF-8 without NUL", ErrInvalidUse)
 	case name == pointStarted || name == pointFinished:
@@ -196,6 +201,9 @@ func runAtomic[T any](ctx context.Context, a *Attempt, name string, fn func(ctx 
 		// transaction, whatever fn made of its statements' errors.
 		if serr := tx.start(ctx); serr != nil {
 			return nil, serr
+		}
+		if eerr := utx.endedBySQL(); eerr != nil {
+			return nil, eerr // whatever fn made of it (txOnce fails the key)
 		}
 		if rerr := utx.retry(); rerr != nil {
 			return nil, rerr // whatever fn made of it
@@ -487,6 +495,8 @@ func (a *Attempt) Finish(ctx context.Context, fn Func) (Response, error) {
 		return Response{}, fmt.Errorf("txn: finish: %w: called twice", ErrInvalidUse)
 	case a.tooOld != nil:
 		return Response{}, fmt.Errorf("txn: finish: %w", errTooOld)
+	case a.endedBySQL:
+		return Response{}, fmt.Errorf("txn: finish: %w", errEndedBySQL)
 	}
 	a.closed = true
 	ctx, span, start := a.r.startSpan(ctx, telemetry.SpanPhaseFinish)
@@ -505,6 +515,9 @@ func (a *Attempt) finish(ctx context.Context, fn Func) (Response, error) {
 		resp, err = guard(func() (Response, error) { return fn(phasectx.WithKeyID(ctx, a.keyID()), utx) })
 		if serr := tx.start(ctx); serr != nil {
 			return nil, serr // the key insert's outcome comes first (see runAtomic)
+		}
+		if eerr := utx.endedBySQL(); eerr != nil {
+			return nil, eerr
 		}
 		if rerr := utx.retry(); rerr != nil {
 			return nil, rerr // whatever fn made of it

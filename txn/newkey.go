@@ -150,6 +150,12 @@ func (a *Attempt) txOnce(ctx context.Context, lazy bool, body func(tx *lazyTx) (
 	if serr := tx.start(ctx); serr != nil {
 		err = serr // BEGIN failed: that is what the phase met, whatever it made of it
 	}
+	if errors.Is(err, errEndedBySQL) {
+		// What fn wrote before may have committed (with the key's insert,
+		// for a key not stored yet): the operation must not run again.
+		a.endedBySQL = true
+		a.r.failEndedKey(ctx, a.req, a.workflow, a.keyID(), a.nullToken())
+	}
 	if err != nil {
 		if !a.stored {
 			a.id = idBefore // rolled back: nothing of this insert is left to release

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 
+	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 
 	"github.com/atomicphase/atomicphase/internal/db"
@@ -197,6 +198,12 @@ func (r *Runner) runSingle(ctx context.Context, req request, id int64, eager boo
 	// transaction, whatever fn made of its statements' errors.
 	if serr := tx.start(ctx); serr != nil {
 		return Response{}, false, serr
+	}
+	if eerr := utx.endedBySQL(); eerr != nil {
+		// Whatever fn made of it: what fn wrote before may have committed
+		// with the key's provisional row.
+		r.failEndedKey(ctx, req, "", id, uuid.NullUUID{})
+		return Response{}, false, eerr
 	}
 	if ins.ReusedExpired {
 		r.noteExpiredReuse(ctx, req, "")

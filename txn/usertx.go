@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -25,19 +26,70 @@ import (
 // response; and the first statement error of any kind, which is reported
 // instead of the "current transaction is aborted" error that storing the
 // response then meets.
+//
+// And it watches, after each statement, that user code did not end the
+// transaction through SQL (COMMIT, ROLLBACK or PREPARE TRANSACTION sent as
+// a statement): the connection is then closed at once, so that no later
+// statement of the function runs on its own (autocommit), and the phase
+// fails with errEndedBySQL.
 type userTx struct {
 	pgx.Tx
-	rec    *stmtErrors
-	nested bool
+	rec  *stmtErrors
+	root *lazyTx // the library's transaction; nil on a savepoint's userTx
 }
 
-func newUserTx(tx pgx.Tx) *userTx { return &userTx{Tx: tx, rec: &stmtErrors{}} }
+func newUserTx(tx *lazyTx) *userTx { return &userTx{Tx: tx, rec: &stmtErrors{}, root: tx} }
 
 // stmtErrors holds the errors the server returned for user code's statements.
 type stmtErrors struct {
 	mu        sync.Mutex
 	first     error // the first statement the server refused
 	retryable error // the first serialization failure or deadlock
+	ended     bool  // a statement ended the transaction (see userTx.watch)
+}
+
+// errEndedBySQL: user code ended the library's transaction through SQL.
+// What it wrote before may have committed without the phase's outcome; the
+// attempt fails the key (see Attempt.failEnded).
+var errEndedBySQL = fmt.Errorf("%w: the function ended the transaction itself (COMMIT or ROLLBACK sent as SQL)", ErrInvalidUse)
+
+// watch runs after each of user code's statements: if the statement ended
+// the transaction, the connection is closed before anything else can run
+// on it.
+func (t *userTx) watch() {
+	var pc *pgconn.PgConn
+	if t.root != nil {
+		if t.root.tx == nil {
+			return // BEGIN has not gone out (a statement pgx refused before sending)
+		}
+		pc = t.root.conn.PgConn()
+	} else {
+		pc = t.Tx.Conn().PgConn()
+	}
+	if pc.IsClosed() || pc.IsBusy() || pc.TxStatus() != 'I' {
+		return
+	}
+	t.rec.mu.Lock()
+	t.rec.ended = true
+	t.rec.mu.Unlock()
+	ctx, cancel := context.WithTimeout(context.Background(), closeTimeout)
+	defer cancel()
+	_ = pc.Close(ctx)
+}
+
+// closeTimeout bounds the Terminate message sent closing a connection user
+// code left outside its transaction.
+const closeTimeout = time.Second
+
+// endedBySQL returns errEndedBySQL if a statement of user code ended the
+// transaction.
+func (t *userTx) endedBySQL() error {
+	t.rec.mu.Lock()
+	defer t.rec.mu.Unlock()
+	if t.rec.ended {
+		return errEndedBySQL
+	}
+	return nil
 }
 
 // note records err if the server refused a statement with it, and returns it.
@@ -67,6 +119,9 @@ func (t *userTx) retry() error {
 // usable checks, after user code returned, that the transaction can still
 // commit: user code did not end it through SQL, and no statement aborted it.
 func (t *userTx) usable() error {
+	if err := t.endedBySQL(); err != nil {
+		return err
+	}
 	pc := t.Conn().PgConn()
 	if pc.IsClosed() {
 		// The connection was lost; its status is the last one read, from
@@ -80,7 +135,7 @@ func (t *userTx) usable() error {
 	}
 	switch pc.TxStatus() {
 	case 'I':
-		return fmt.Errorf("%w: the function ended the transaction itself (COMMIT or ROLLBACK sent as SQL)", ErrInvalidUse)
+		return errEndedBySQL // through the connection itself, which watch does not see
 	case 'E':
 		return t.aborted(nil)
 	}
@@ -114,18 +169,18 @@ func (t *userTx) Begin(ctx context.Context) (pgx.Tx, error) {
 	if err != nil {
 		return nil, t.rec.note(err)
 	}
-	return &userTx{Tx: tx, rec: t.rec, nested: true}, nil
+	return &userTx{Tx: tx, rec: t.rec}, nil
 }
 
 func (t *userTx) Commit(ctx context.Context) error {
-	if !t.nested {
+	if t.root != nil {
 		return fmt.Errorf("txn: commit: %w: the transaction commits when the function returns", ErrInvalidUse)
 	}
 	return t.rec.note(t.Tx.Commit(ctx))
 }
 
 func (t *userTx) Rollback(ctx context.Context) error {
-	if !t.nested {
+	if t.root != nil {
 		return fmt.Errorf("txn: rollback: %w: return an error from the function to roll the transaction back", ErrInvalidUse)
 	}
 	return t.rec.note(t.Tx.Rollback(ctx))
@@ -133,11 +188,12 @@ func (t *userTx) Rollback(ctx context.Context) error {
 
 func (t *userTx) CopyFrom(ctx context.Context, table pgx.Identifier, columns []string, src pgx.CopyFromSource) (int64, error) {
 	n, err := t.Tx.CopyFrom(ctx, table, columns, src)
+	t.watch()
 	return n, t.rec.note(err)
 }
 
 func (t *userTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
-	return &userBatch{BatchResults: t.Tx.SendBatch(ctx, b), rec: t.rec}
+	return &userBatch{BatchResults: t.Tx.SendBatch(ctx, b), tx: t}
 }
 
 func (t *userTx) Prepare(ctx context.Context, name, sql string) (*pgconn.StatementDescription, error) {
@@ -147,37 +203,50 @@ func (t *userTx) Prepare(ctx context.Context, name, sql string) (*pgconn.Stateme
 
 func (t *userTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
 	tag, err := t.Tx.Exec(ctx, sql, args...)
+	t.watch()
 	return tag, t.rec.note(err)
 }
 
 func (t *userTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
 	rows, err := t.Tx.Query(ctx, sql, args...)
 	if err != nil {
+		t.watch()
 		return rows, t.rec.note(err)
 	}
-	return &userRows{Rows: rows, rec: t.rec}, nil
+	return &userRows{Rows: rows, rec: t.rec, tx: t}, nil
 }
 
 func (t *userTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
-	return userRow{row: t.Tx.QueryRow(ctx, sql, args...), rec: t.rec}
+	return userRow{row: t.Tx.QueryRow(ctx, sql, args...), rec: t.rec, tx: t}
 }
 
+// userRows and userRow record their statement's errors and, outside a
+// batch (tx set), watch the transaction once the result is read (the
+// connection's status is known then).
 type userRows struct {
 	pgx.Rows
 	rec *stmtErrors
+	tx  *userTx // nil in a batch, which userBatch.Close watches
+}
+
+func (r *userRows) read() {
+	if r.tx != nil {
+		r.tx.watch()
+	}
+	_ = r.rec.note(r.Rows.Err())
 }
 
 func (r *userRows) Next() bool {
 	if r.Rows.Next() {
 		return true
 	}
-	_ = r.rec.note(r.Rows.Err())
+	r.read()
 	return false
 }
 
 func (r *userRows) Close() {
 	r.Rows.Close()
-	_ = r.rec.note(r.Rows.Err())
+	r.read()
 }
 
 func (r *userRows) Err() error { return r.rec.note(r.Rows.Err()) }
@@ -192,28 +261,41 @@ func (r *userRows) Values() ([]any, error) {
 type userRow struct {
 	row pgx.Row
 	rec *stmtErrors
+	tx  *userTx // as in userRows
 }
 
-func (r userRow) Scan(dest ...any) error { return r.rec.note(r.row.Scan(dest...)) }
+func (r userRow) Scan(dest ...any) error {
+	err := r.row.Scan(dest...)
+	if r.tx != nil {
+		r.tx.watch()
+	}
+	return r.rec.note(err)
+}
 
+// userBatch watches the transaction when the batch is closed: a batch's
+// statements end with one status, read at its end.
 type userBatch struct {
 	pgx.BatchResults
-	rec *stmtErrors
+	tx *userTx
 }
 
 func (b *userBatch) Exec() (pgconn.CommandTag, error) {
 	tag, err := b.BatchResults.Exec()
-	return tag, b.rec.note(err)
+	return tag, b.tx.rec.note(err)
 }
 
 func (b *userBatch) Query() (pgx.Rows, error) {
 	rows, err := b.BatchResults.Query()
 	if err != nil {
-		return rows, b.rec.note(err)
+		return rows, b.tx.rec.note(err)
 	}
-	return &userRows{Rows: rows, rec: b.rec}, nil
+	return &userRows{Rows: rows, rec: b.tx.rec}, nil
 }
 
-func (b *userBatch) QueryRow() pgx.Row { return userRow{row: b.BatchResults.QueryRow(), rec: b.rec} }
+func (b *userBatch) QueryRow() pgx.Row { return userRow{row: b.BatchResults.QueryRow(), rec: b.tx.rec} }
 
-func (b *userBatch) Close() error { return b.rec.note(b.BatchResults.Close()) }
+func (b *userBatch) Close() error {
+	err := b.BatchResults.Close()
+	b.tx.watch()
+	return b.tx.rec.note(err)
+}

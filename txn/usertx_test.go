@@ -193,3 +193,99 @@ func TestSwallowedStatementErrorIsReportedInsteadOfAbortedTransaction(t *testing
 	require.Equal(t, "22012", pgErr.Code)
 	require.Zero(t, e.Count(t, `SELECT count(*) FROM idempotency_keys`), "nothing stored: the key went with the final phase")
 }
+
+// A function that ends its transaction through SQL (COMMIT sent as a
+// statement) has committed what it wrote before, without its result. The
+// library cannot undo that, so it makes sure nothing more happens: the
+// function's next statement fails instead of running on its own
+// (autocommit), and the key is failed with a stored 500 that says why,
+// so that no retry runs the operation's writes a second time. On every
+// entry point that hands user code a transaction, in both exec modes
+// that send a first statement with BEGIN.
+func TestFunctionEndingItsTransactionThroughSQLFailsTheKeyAndRunsNothingMore(t *testing.T) {
+	t.Parallel()
+	for _, mode := range []pgx.QueryExecMode{pgx.QueryExecModeExec, pgx.QueryExecModeCacheStatement} {
+		for _, entry := range []string{"run", "first_phase", "second_phase", "finish"} {
+			for _, first := range []bool{true, false} { // COMMIT as the function's first statement, or after a write
+				t.Run(fmt.Sprintf("%s/%s/first=%v", mode, entry, first), func(t *testing.T) {
+					t.Parallel()
+					e := newEnv(t, nil)
+					ctx := ctxT(t)
+					r, _ := e.countingRunnerIn(t, nil, mode)
+					var calls atomic.Int64
+					var afterErr error
+					body := func(ctx context.Context, tx pgx.Tx) error {
+						calls.Add(1)
+						if !first {
+							if _, err := tx.Exec(ctx, `INSERT INTO charges (ref, amount) VALUES ('before', 1)`); err != nil {
+								return err
+							}
+						}
+						if _, err := tx.Exec(ctx, `COMMIT`); err != nil {
+							return err
+						}
+						_, afterErr = tx.Exec(ctx, `INSERT INTO charges (ref, amount) VALUES ('after', 1)`)
+						return nil // as a function that ignores the error would
+					}
+					wf := txn.NewWorkflow("ends", func(ctx context.Context, a *txn.Attempt) (txn.Response, error) {
+						if entry != "finish" {
+							if entry == "second_phase" {
+								if _, err := txn.Atomic(ctx, a, "zero", func(ctx context.Context, tx pgx.Tx) (int, error) {
+									_, err := tx.Exec(ctx, `INSERT INTO charges (ref, amount) VALUES ('zero', 1)`)
+									return 0, err
+								}); err != nil {
+									return txn.Response{}, err
+								}
+							}
+							if _, err := txn.Atomic(ctx, a, "ends", func(ctx context.Context, tx pgx.Tx) (int, error) {
+								return 1, body(ctx, tx)
+							}); err != nil {
+								return txn.Response{}, err
+							}
+						}
+						return a.Finish(ctx, func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+							if entry == "finish" {
+								return txn.Response{Status: 201}, body(ctx, tx)
+							}
+							return txn.Response{Status: 201}, nil
+						})
+					})
+					require.NoError(t, e.reg.Register(wf))
+					run := func() (txn.Response, error) {
+						if entry == "run" {
+							return r.Run(ctx, chargeKey("k1", 1), func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+								return txn.Response{Status: 201}, body(ctx, tx)
+							})
+						}
+						return r.RunWorkflow(ctx, rideKey("k1"), wf)
+					}
+					_, err := run()
+					require.ErrorIs(t, err, txn.ErrInvalidUse)
+					require.ErrorContains(t, err, "ended the transaction")
+					require.Error(t, afterErr, "the statement after the COMMIT did not run on its own")
+					require.Zero(t, e.Count(t, `SELECT count(*) FROM charges WHERE ref = 'after'`))
+					if !first {
+						require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM charges WHERE ref = 'before'`), "committed by the function's COMMIT")
+					}
+					scope := "user_1"
+					if entry == "run" {
+						scope = "acct_1"
+					}
+					k := readKey(t, e.Pool, scope, "k1")
+					require.Equal(t, "failed", k.Status)
+					require.False(t, k.LeaseHeld)
+					require.Equal(t, "ended_by_function", e.failureReason(t, "k1"))
+					require.Equal(t, 500, *k.RespStatus)
+					require.Contains(t, string(k.RespBody), "ended its database transaction")
+
+					// A retry replays the failure: the operation does not run again.
+					resp, err := run()
+					require.NoError(t, err)
+					require.True(t, resp.Replayed)
+					require.Equal(t, 500, resp.Status)
+					require.Equal(t, int64(1), calls.Load())
+				})
+			}
+		}
+	}
+}

@@ -254,6 +254,10 @@ func (r *Runner) execute(ctx context.Context, a *Attempt, wf *Workflow) (Respons
 		// A Foreign phase found the key past MaxAge and failed it instead of
 		// calling out: that stored failure is the answer.
 		return *a.tooOld, nil
+	case a.endedBySQL:
+		// The key is failed (or was never committed): nothing to release.
+		r.logFailure(ctx, a.req, wf.name, errEndedBySQL, nil)
+		return Response{}, fmt.Errorf("txn: run workflow %q: %w", wf.name, errEndedBySQL)
 	case a.finished != nil && err != nil:
 		// The response is stored; an error after Finish changes nothing.
 		return Response{}, err

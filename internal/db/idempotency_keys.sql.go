@@ -176,6 +176,53 @@ func (q *Queries) ExtendLease(ctx context.Context, arg ExtendLeaseParams) (Exten
 	return i, err
 }
 
+const failKeyEndedByFunction = `-- name: FailKeyEndedByFunction :execrows
+UPDATE idempotency_keys
+SET status = 'failed',
+    failure_reason = $1,
+    response_status = $2::integer,
+    response_headers = $3::text::jsonb,
+    response_body = $4::bytea,
+    finished_at = now(),
+    lease_token = NULL,
+    leased_until = NULL
+WHERE id = $5
+  AND CASE WHEN $6::uuid IS NULL THEN status = 'finished' AND workflow = ''
+           ELSE status = 'running' AND lease_token = $6::uuid END
+`
+
+type FailKeyEndedByFunctionParams struct {
+	FailureReason   pgtype.Text
+	ResponseStatus  int32
+	ResponseHeaders string
+	ResponseBody    []byte
+	ID              int64
+	LeaseToken      uuid.NullUUID
+}
+
+// Fails the key of an attempt whose function ended its transaction through
+// SQL (failure.ReasonEndedByFunction): what the function wrote before may
+// have committed without the phase's outcome, so the operation must not
+// run again. A workflow's key is fenced by the attempt's lease (its insert
+// may have committed with the function's COMMIT). A single-phase key
+// (lease_token NULL) was inserted terminal with its provisional 500
+// (InsertSingleKey), under the id only this attempt was allotted; nothing
+// else writes it before its FinishSingleKey, which never went out.
+func (q *Queries) FailKeyEndedByFunction(ctx context.Context, arg FailKeyEndedByFunctionParams) (int64, error) {
+	result, err := q.db.Exec(ctx, failKeyEndedByFunction,
+		arg.FailureReason,
+		arg.ResponseStatus,
+		arg.ResponseHeaders,
+		arg.ResponseBody,
+		arg.ID,
+		arg.LeaseToken,
+	)
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected(), nil
+}
+
 const finishKey = `-- name: FinishKey :one
 WITH updated AS (
 UPDATE idempotency_keys

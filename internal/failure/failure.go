@@ -22,6 +22,10 @@ const (
 	// The stored failure_reason is "operator: " and the operator's words;
 	// the response carries only this reason.
 	ReasonOperator = "operator"
+	// ReasonEndedByFunction: the operation's own code ended its database
+	// transaction through SQL (COMMIT sent as a statement), so what it
+	// wrote may have committed without its outcome; it is not run again.
+	ReasonEndedByFunction = "ended_by_function"
 )
 
 // Status is the HTTP status stored for a failed key.
@@ -51,4 +55,11 @@ func Body(reason, why string) []byte {
 func MaxAgeBody(maxAge time.Duration) []byte {
 	return Body(ReasonMaxAge, fmt.Sprintf(
 		"it did not finish within %v of its first attempt, so it was stopped after its last completed step", maxAge))
+}
+
+// EndedByFunctionBody is the body stored for a key whose operation ended its
+// own database transaction (ReasonEndedByFunction).
+func EndedByFunctionBody() []byte {
+	return Body(ReasonEndedByFunction, "its code ended its database transaction itself (COMMIT or ROLLBACK sent as SQL), "+
+		"so what it wrote before may have been saved without its result; it is not run again")
 }
