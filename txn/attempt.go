@@ -202,6 +202,9 @@ func runAtomic[T any](ctx context.Context, a *Attempt, name string, fn func(ctx 
 		if serr := tx.start(ctx); serr != nil {
 			return nil, serr
 		}
+		if tx.again {
+			return nil, errRunAgain
+		}
 		if eerr := utx.endedBySQL(); eerr != nil {
 			return nil, eerr // whatever fn made of it (txOnce fails the key)
 		}
@@ -515,6 +518,9 @@ func (a *Attempt) finish(ctx context.Context, fn Func) (Response, error) {
 		resp, err = guard(func() (Response, error) { return fn(phasectx.WithKeyID(ctx, a.keyID()), utx) })
 		if serr := tx.start(ctx); serr != nil {
 			return nil, serr // the key insert's outcome comes first (see runAtomic)
+		}
+		if tx.again {
+			return nil, errRunAgain
 		}
 		if eerr := utx.endedBySQL(); eerr != nil {
 			return nil, eerr

@@ -2,6 +2,7 @@ package txn
 
 import (
 	"context"
+	"errors"
 	"strings"
 
 	"github.com/jackc/pgx/v5"
@@ -92,12 +93,26 @@ func (l *lazyTx) prepareFirst(ctx context.Context, sql string) (string, error) {
 	text := sql + firstStatementMark
 	sd, err := l.conn.Prepare(ctx, text, text)
 	if err != nil {
-		return "", err // the statement's own error, as pgx's prepare would give it
+		// Not a statement the server takes: the name of a prepared
+		// statement that has whitespace in it, or SQL it refuses. The
+		// failed prepare aborted the transaction before any of the
+		// function's statements ran: the run goes again (errRunAgain),
+		// and from then on sql goes out as on any pgx.Tx on this
+		// connection, where pgx runs a name by its name and SQL the server
+		// refuses fails as it would there.
+		firstStatementsOf(l.conn).bySQL[sql] = &firstStatement{failed: true}
+		l.again = true
+		return "", err
 	}
 	firstStatementsOf(l.conn).bySQL[sql] = &firstStatement{text: text, sd: sd}
 	l.first = text
 	return text, nil
 }
+
+// errRunAgain: the function's first statement could not be prepared after
+// the key (see prepareFirst); the run is rolled back and goes again at once,
+// whatever the function made of the statement's error.
+var errRunAgain = errors.New("the first statement was not preparable: run again")
 
 // forgetFirst marks the first statement the transaction ran by its
 // prepared text as failed, when the transaction failed after it ran.

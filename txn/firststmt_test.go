@@ -207,28 +207,61 @@ func TestPreparedFirstStatementWhoseTableChangedFailsOnceAsOnAPlainTx(t *testing
 
 // A statement run by the name of one prepared on the connection (here by
 // AfterConnect) is not prepared again under another text: it runs as on
-// any pgx.Tx, every time.
+// any pgx.Tx, every time; by a `Run` and by a workflow's first phase. A
+// name with whitespace looks like SQL and is tried as a statement once:
+// the run is rolled back before any of the function's statements ran and
+// runs again, and from then on the name runs as on any pgx.Tx.
 func TestFirstStatementRunByItsPreparedNameRunsAsOnAPlainTx(t *testing.T) {
 	t.Parallel()
-	e := newEnv(t, nil)
-	ctx := ctxT(t)
-	r, _ := e.oneConnRunner(t, func(c *pgxpool.Config) {
-		c.AfterConnect = func(ctx context.Context, conn *pgx.Conn) error {
-			_, err := conn.Prepare(ctx, "ins_charge", `INSERT INTO charges (ref, amount) VALUES ($1, 1)`)
-			return err
+	for label, name := range map[string]string{"name": "ins_charge", "name_with_a_space": "ins charge"} {
+		for _, entry := range []string{"run", "workflow"} {
+			t.Run(label+"/"+entry, func(t *testing.T) {
+				t.Parallel()
+				e := newEnv(t, nil)
+				ctx := ctxT(t)
+				r, _ := e.oneConnRunner(t, func(c *pgxpool.Config) {
+					c.AfterConnect = func(ctx context.Context, conn *pgx.Conn) error {
+						_, err := conn.Prepare(ctx, name, `INSERT INTO charges (ref, amount) VALUES ($1, 1)`)
+						return err
+					}
+				})
+				var calls atomic.Int64
+				body := func(ctx context.Context, tx pgx.Tx, ref string) error {
+					calls.Add(1)
+					tag, err := tx.Exec(ctx, name, ref)
+					if err == nil && tag.String() != "INSERT 0 1" {
+						err = fmt.Errorf("tag %q", tag)
+					}
+					return err
+				}
+				var ref string
+				wf := txn.NewWorkflow("by_name", func(ctx context.Context, a *txn.Attempt) (txn.Response, error) {
+					if _, err := txn.Atomic(ctx, a, "charged", func(ctx context.Context, tx pgx.Tx) (int, error) {
+						return 1, body(ctx, tx, ref)
+					}); err != nil {
+						return txn.Response{}, err
+					}
+					return a.Finish(ctx, func(context.Context, pgx.Tx) (txn.Response, error) { return txn.JSON(201, "done") })
+				})
+				require.NoError(t, e.reg.Register(wf))
+				for i := range 3 {
+					ref = fmt.Sprintf("c%d", i)
+					key := chargeKey(fmt.Sprintf("k%d", i), 1)
+					var err error
+					if entry == "run" {
+						_, err = r.Run(ctx, key, func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+							return txn.Response{Status: 201}, body(ctx, tx, ref)
+						})
+					} else {
+						_, err = r.RunWorkflow(ctx, key, wf)
+					}
+					require.NoError(t, err)
+				}
+				require.Equal(t, 3, e.Count(t, `SELECT count(*) FROM charges`))
+				require.LessOrEqual(t, calls.Load(), int64(4), "at most one run again, once on the connection")
+			})
 		}
-	})
-	for i := range 3 {
-		_, err := r.Run(ctx, chargeKey(fmt.Sprintf("k%d", i), 1), func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
-			tag, err := tx.Exec(ctx, "ins_charge", fmt.Sprintf("c%d", i))
-			if err == nil && tag.String() != "INSERT 0 1" {
-				err = fmt.Errorf("tag %q", tag)
-			}
-			return txn.Response{Status: 201}, err
-		})
-		require.NoError(t, err)
 	}
-	require.Equal(t, 3, e.Count(t, `SELECT count(*) FROM charges`))
 }
 
 // A connection prepares at most 64 first statements; past them a first

@@ -42,6 +42,7 @@ type lazyTx struct {
 	// first is the text the user's first statement ran by, when it was
 	// prepared by a Run (see firststmt.go)
 	first string
+	again bool   // preparing the first statement failed: run again (errRunAgain)
 	tx    pgx.Tx // set once BEGIN went out
 	err   error  // why the transaction cannot be used
 }

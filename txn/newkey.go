@@ -105,6 +105,9 @@ func (a *Attempt) inTx(ctx context.Context, lazy bool, body func(tx *lazyTx) (co
 		for {
 			sent = time.Now()
 			err := a.txOnce(ctx, lazy && !a.eager, body)
+			if errors.Is(err, errRunAgain) {
+				continue // once per statement and connection (see prepareFirst)
+			}
 			if !errors.Is(err, errRowMoved) || !a.stored {
 				return err
 			}

@@ -121,6 +121,8 @@ func (r *Runner) run(ctx context.Context, req request, fn Func) (Response, error
 			// (the next lookup sees it) or still in flight.
 			raced, contended = true, true
 			continue
+		case errors.Is(err, errRunAgain):
+			continue // once per statement and connection
 		case pgerr.IsRetryable(err):
 			if tries >= r.cfg.MaxRetries {
 				r.conflicts.Add(1)
@@ -198,6 +200,9 @@ func (r *Runner) runSingle(ctx context.Context, req request, id int64, eager boo
 	// transaction, whatever fn made of its statements' errors.
 	if serr := tx.start(ctx); serr != nil {
 		return Response{}, false, serr
+	}
+	if tx.again {
+		return Response{}, false, errRunAgain
 	}
 	if eerr := utx.endedBySQL(); eerr != nil {
 		// Whatever fn made of it: what fn wrote before may have committed
