@@ -73,11 +73,39 @@ func firstStatementsOf(conn *pgx.Conn) *firstStatements {
 // find out with BEGIN on its way).
 func (fs *firstStatements) travelling(conn *pgx.Conn, sql string, args []any) (string, bool) {
 	st, ok := fs.bySQL[sql]
-	if !ok || st.failed || fs.eqb.Build(conn.TypeMap(), st.sd, args) != nil {
+	if !ok || st.failed {
+		return "", false
+	}
+	if !stillPrepared(conn, st) {
+		// Dropped outside a Run (pgx's DeallocateAll): prepare it again
+		// after the key (preparable).
+		delete(fs.bySQL, sql)
+		return "", false
+	}
+	if fs.eqb.Build(conn.TypeMap(), st.sd, args) != nil {
 		return "", false
 	}
 	return st.text, true
 }
+
+// stillPrepared reports whether pgx still knows st as prepared on conn: an
+// application may drop a connection's statements (pgx's DeallocateAll,
+// e.g. in a pool's AfterRelease), and pgx would then prepare st's text
+// again before BEGIN. pgx answers Prepare from its own record without a
+// round trip for a statement it knows; on a context already done it sends
+// nothing for one it does not, and fails. A tracer sees that Prepare (with
+// AlreadyPrepared set when it is).
+func stillPrepared(conn *pgx.Conn, st *firstStatement) bool {
+	sd, err := conn.Prepare(doneContext, st.text, st.text)
+	return err == nil && sd == st.sd
+}
+
+// doneContext is a context already done (see stillPrepared).
+var doneContext = func() context.Context {
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	return ctx
+}()
 
 // preparable reports whether sql may be prepared as a first statement: it
 // was not before on this connection, there is room, and it is a

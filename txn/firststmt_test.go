@@ -2,6 +2,7 @@ package txn_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"sync/atomic"
 	"testing"
@@ -14,18 +15,24 @@ import (
 	"github.com/atomicphase/atomicphase/txn"
 )
 
-// prepareCounter is a queryCounter that also counts prepares.
+// prepareCounter is a queryCounter that also counts prepares sent.
 type prepareCounter struct {
 	queryCounter
 	prepares atomic.Int64
 }
 
 func (c *prepareCounter) TracePrepareStart(ctx context.Context, _ *pgx.Conn, _ pgx.TracePrepareStartData) context.Context {
-	c.prepares.Add(1)
 	return ctx
 }
 
-func (c *prepareCounter) TracePrepareEnd(context.Context, *pgx.Conn, pgx.TracePrepareEndData) {}
+// TracePrepareEnd counts the prepares that went to the server: not those
+// pgx answered from its record (AlreadyPrepared), nor those on a context
+// already done, which send nothing (see the txn package's stillPrepared).
+func (c *prepareCounter) TracePrepareEnd(_ context.Context, _ *pgx.Conn, data pgx.TracePrepareEndData) {
+	if !data.AlreadyPrepared && !errors.Is(data.Err, context.Canceled) {
+		c.prepares.Add(1)
+	}
+}
 
 // oneConnRunner returns a runner on a pool of one connection in pgx's
 // default mode (cache_statement), counting round trips and prepares.
@@ -322,4 +329,41 @@ func TestPreparedFirstStatementThatCannotBeEncodedLeavesTheTransactionUsable(t *
 	require.NoError(t, err)
 	require.Equal(t, 201, resp.Status)
 	require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM charges WHERE ref = 'c1'`))
+}
+
+// Prepared statements dropped on a connection outside a Run (pgx's
+// DeallocateAll, here in a pool's AfterRelease hook, on every release) are
+// not taken for prepared: each Run prepares its first statement again
+// after the key (pgx would prepare it before BEGIN and the key, taking the
+// statement's table locks first), so a twin still gets ErrKeyInUse at
+// once.
+func TestFirstStatementDeallocatedOutsideARunIsPreparedAgainAfterTheKey(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	var deallocations atomic.Int64
+	r, _ := e.oneConnRunner(t, func(c *pgxpool.Config) {
+		c.AfterRelease = func(conn *pgx.Conn) bool {
+			deallocations.Add(1)
+			return conn.DeallocateAll(context.Background()) == nil
+		}
+	})
+	var calls atomic.Int64
+	for _, k := range []string{"k0", "k0b", "k0c"} {
+		_, err := r.Run(ctx, chargeKey(k, 1), insertCharge(&calls, "warm", 1))
+		require.NoError(t, err)
+	}
+
+	release := holdKeyWithTableLock(ctx, t, e, chargeKey("k1", 1))
+	short, cancel := context.WithTimeout(ctx, 3*time.Second)
+	defer cancel()
+	_, err := r.Run(short, chargeKey("k1", 1), insertCharge(&calls, "twin", 1))
+	require.ErrorIs(t, err, txn.ErrKeyInUse, "at once, not after a wait on the holder's table lock")
+	require.NoError(t, release())
+	require.Zero(t, e.Count(t, `SELECT count(*) FROM charges WHERE ref = 'twin'`))
+	require.GreaterOrEqual(t, deallocations.Load(), int64(3))
+
+	_, err = r.Run(ctx, chargeKey("k2", 1), insertCharge(&calls, "after", 1))
+	require.NoError(t, err)
+	require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM charges WHERE ref = 'after'`))
 }
