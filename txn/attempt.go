@@ -60,7 +60,10 @@ type Attempt struct {
 	// its holder in a loop; the key's insert goes out before the first
 	// phase runs, not with its first statement, so that a call that keeps
 	// losing runs nothing of the phase.
-	eager         bool
+	eager bool
+	// noPrepare: preparing a phase's first statement failed once (see
+	// errRunAgain); the attempt's later transactions prepare nothing.
+	noPrepare     bool
 	uncertain     bool      // a first commit may have taken effect unseen
 	reusedExpired bool      // the insert replaced a tombstone (ExpiredKeyNewOperation)
 	began         time.Time // when the attempt started: a first attempt's key is younger

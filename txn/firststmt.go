@@ -42,6 +42,10 @@ const firstStatementsKey = "atomicphase.txn.first_statements"
 // their SQL.
 type firstStatements struct {
 	bySQL map[string]*firstStatement
+	// refused counts the entries of bySQL the server refused to prepare
+	// (see prepareFirst): they do not count toward maxFirstStatements, and
+	// at most maxFirstStatements of them are kept.
+	refused int
 	// eqb encodes a prepared first statement's arguments before it travels:
 	// in this mode pgx encodes a batch's statements only after BEGIN is on
 	// its way, and an argument it cannot encode then ends the connection.
@@ -112,7 +116,7 @@ var doneContext = func() context.Context {
 // statement's text, not the name of a prepared statement.
 func (fs *firstStatements) preparable(sql string) bool {
 	_, seen := fs.bySQL[sql]
-	return !seen && len(fs.bySQL) < maxFirstStatements && strings.ContainsAny(sql, " \t\r\n")
+	return !seen && len(fs.bySQL)-fs.refused < maxFirstStatements && strings.ContainsAny(sql, " \t\r\n")
 }
 
 // prepareFirst prepares the user's first statement sql inside the
@@ -128,7 +132,10 @@ func (l *lazyTx) prepareFirst(ctx context.Context, sql string) (string, error) {
 		// and from then on sql goes out as on any pgx.Tx on this
 		// connection, where pgx runs a name by its name and SQL the server
 		// refuses fails as it would there.
-		firstStatementsOf(l.conn).bySQL[sql] = &firstStatement{failed: true}
+		if fs := firstStatementsOf(l.conn); fs.refused < maxFirstStatements {
+			fs.bySQL[sql] = &firstStatement{failed: true}
+			fs.refused++
+		}
 		l.again = true
 		return "", err
 	}
@@ -139,7 +146,9 @@ func (l *lazyTx) prepareFirst(ctx context.Context, sql string) (string, error) {
 
 // errRunAgain: the function's first statement could not be prepared after
 // the key (see prepareFirst); the run is rolled back and goes again at once,
-// whatever the function made of the statement's error.
+// whatever the function made of the statement's error; once per call: the
+// call's later runs prepare nothing themselves (see lazyTx.prep), so a
+// function whose first statement differs on every run does not loop.
 var errRunAgain = errors.New("the first statement was not preparable: run again")
 
 // forgetFirst marks the first statement the transaction ran by its

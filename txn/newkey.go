@@ -106,7 +106,8 @@ func (a *Attempt) inTx(ctx context.Context, lazy bool, body func(tx *lazyTx) (co
 			sent = time.Now()
 			err := a.txOnce(ctx, lazy && !a.eager, body)
 			if errors.Is(err, errRunAgain) {
-				continue // once per statement and connection (see prepareFirst)
+				a.noPrepare = true // once per attempt
+				continue
 			}
 			if !errors.Is(err, errRowMoved) || !a.stored {
 				return err
@@ -185,7 +186,7 @@ func (a *Attempt) newTx(ctx context.Context, conn *pgx.Conn, lazy bool) *lazyTx 
 		return newLazyTx(ctx, conn, opts, opener{}, a.r.connExecMode(conn))
 	}
 	params := a.insertParams(lazy)
-	return newLazyTx(ctx, conn, opts, opener{
+	tx := newLazyTx(ctx, conn, opts, opener{
 		queue: func(b *pgx.Batch) { _, _ = db.New(pgbatch.Queue{B: b}).InsertKey(ctx, params) },
 		read: func(br pgx.BatchResults) error {
 			ins, err := db.New(pgbatch.Results{BR: br}).InsertKey(ctx, params)
@@ -196,6 +197,8 @@ func (a *Attempt) newTx(ctx context.Context, conn *pgx.Conn, lazy bool) *lazyTx 
 			return nil
 		},
 	}, a.r.connExecMode(conn))
+	tx.prep = tx.prep && !a.noPrepare
+	return tx
 }
 
 // storeTerminal stores a terminal response the workflow returned without

@@ -76,6 +76,7 @@ func (r *Runner) run(ctx context.Context, req request, fn Func) (Response, error
 	raced := false     // the last insert lost to a concurrent attempt
 	contended := false // an insert lost: from then on, insert before fn runs
 	waited := false    // the call waited for the key's holder (Config.WaitWhenInUse)
+	prepare := true    // a run may prepare fn's first statement (see errRunAgain)
 	for {
 		if err := ctx.Err(); err != nil {
 			return Response{}, err
@@ -108,7 +109,7 @@ func (r *Runner) run(ctx context.Context, req request, fn Func) (Response, error
 			continue
 		}
 
-		resp, stored, err := r.runSingle(ctx, req, row.NewID, contended, fn)
+		resp, stored, err := r.runSingle(ctx, req, row.NewID, contended, prepare, fn)
 		switch {
 		case err == nil && !stored:
 			r.logNotStored(ctx, req, "", resp.Status)
@@ -122,7 +123,8 @@ func (r *Runner) run(ctx context.Context, req request, fn Func) (Response, error
 			raced, contended = true, true
 			continue
 		case errors.Is(err, errRunAgain):
-			continue // once per statement and connection
+			prepare = false // once per call
+			continue
 		case pgerr.IsRetryable(err):
 			if tries >= r.cfg.MaxRetries {
 				r.conflicts.Add(1)
@@ -153,8 +155,9 @@ var errRaced = errors.New("key inserted concurrently")
 // comes first costs fn's run up to that statement. eager (the run lost an
 // insert to a twin already, and may be waiting for it in a loop) sends the
 // insert before fn runs instead, so that a run that keeps losing runs
-// nothing of fn.
-func (r *Runner) runSingle(ctx context.Context, req request, id int64, eager bool, fn Func) (resp Response, stored bool, err error) {
+// nothing of fn. prepare false: fn's first statement is not prepared by the
+// run (see errRunAgain).
+func (r *Runner) runSingle(ctx context.Context, req request, id int64, eager, prepare bool, fn Func) (resp Response, stored bool, err error) {
 	// The connection is acquired explicitly so that the last statement and
 	// COMMIT can go out in one round trip (see commitWith).
 	conn, err := r.pool.Acquire(ctx)
@@ -183,6 +186,7 @@ func (r *Runner) runSingle(ctx context.Context, req request, id int64, eager boo
 			return nil
 		},
 	}, r.connExecMode(conn.Conn()))
+	tx.prep = tx.prep && prepare
 	committed := false
 	defer func() {
 		if !committed {

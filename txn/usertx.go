@@ -55,18 +55,13 @@ var errEndedBySQL = fmt.Errorf("%w: the function ended the transaction itself (C
 
 // watch runs after each of user code's statements: if the statement ended
 // the transaction, the connection is closed before anything else can run
-// on it.
-func (t *userTx) watch() {
-	var pc *pgconn.PgConn
-	if t.root != nil {
-		if t.root.tx == nil {
-			return // BEGIN has not gone out (a statement pgx refused before sending)
-		}
-		pc = t.root.conn.PgConn()
-	} else {
-		pc = t.Tx.Conn().PgConn()
-	}
-	if pc.IsClosed() || pc.IsBusy() || pc.TxStatus() != 'I' {
+// on it. The transaction is over when the connection is outside one, or
+// when the statement's command tag says it committed (COMMIT AND CHAIN,
+// after which the connection is in a new transaction; tag is empty where
+// pgx gives none).
+func (t *userTx) watch(tag pgconn.CommandTag) {
+	pc := t.pgConn()
+	if pc == nil || pc.IsClosed() || pc.IsBusy() || pc.TxStatus() != 'I' && !committed(tag) {
 		return
 	}
 	t.rec.mu.Lock()
@@ -77,16 +72,43 @@ func (t *userTx) watch() {
 	_ = pc.Close(ctx)
 }
 
+// committed reports whether a statement's command tag is that of one that
+// commits the transaction it runs in: COMMIT or END (with AND CHAIN too),
+// or PREPARE TRANSACTION. ("ROLLBACK" is also ROLLBACK TO SAVEPOINT's tag,
+// which leaves the transaction open; a ROLLBACK that ends it leaves the
+// connection outside a transaction.)
+func committed(tag pgconn.CommandTag) bool {
+	s := tag.String()
+	return s == "COMMIT" || s == "PREPARE TRANSACTION"
+}
+
+// pgConn is the library's transaction's connection, or nil while BEGIN
+// has not gone out (a statement pgx refused before sending).
+func (t *userTx) pgConn() *pgconn.PgConn {
+	if t.root == nil {
+		return t.Tx.Conn().PgConn()
+	}
+	if t.root.tx == nil {
+		return nil
+	}
+	return t.root.conn.PgConn()
+}
+
 // closeTimeout bounds the Terminate message sent closing a connection user
 // code left outside its transaction.
 const closeTimeout = time.Second
 
 // endedBySQL returns errEndedBySQL if a statement of user code ended the
-// transaction.
+// transaction, or, after user code returned, if the connection is outside
+// a transaction (SQL sent on tx.Conn(), which watch does not see).
 func (t *userTx) endedBySQL() error {
 	t.rec.mu.Lock()
-	defer t.rec.mu.Unlock()
-	if t.rec.ended {
+	ended := t.rec.ended
+	t.rec.mu.Unlock()
+	if pc := t.pgConn(); !ended && pc != nil && !pc.IsClosed() && !pc.IsBusy() && pc.TxStatus() == 'I' {
+		ended = true
+	}
+	if ended {
 		return errEndedBySQL
 	}
 	return nil
@@ -188,7 +210,7 @@ func (t *userTx) Rollback(ctx context.Context) error {
 
 func (t *userTx) CopyFrom(ctx context.Context, table pgx.Identifier, columns []string, src pgx.CopyFromSource) (int64, error) {
 	n, err := t.Tx.CopyFrom(ctx, table, columns, src)
-	t.watch()
+	t.watch(pgconn.CommandTag{})
 	return n, t.rec.note(err)
 }
 
@@ -203,14 +225,14 @@ func (t *userTx) Prepare(ctx context.Context, name, sql string) (*pgconn.Stateme
 
 func (t *userTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
 	tag, err := t.Tx.Exec(ctx, sql, args...)
-	t.watch()
+	t.watch(tag)
 	return tag, t.rec.note(err)
 }
 
 func (t *userTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
 	rows, err := t.Tx.Query(ctx, sql, args...)
 	if err != nil {
-		t.watch()
+		t.watch(pgconn.CommandTag{})
 		return rows, t.rec.note(err)
 	}
 	return &userRows{Rows: rows, rec: t.rec, tx: t}, nil
@@ -231,7 +253,7 @@ type userRows struct {
 
 func (r *userRows) read() {
 	if r.tx != nil {
-		r.tx.watch()
+		r.tx.watch(r.Rows.CommandTag())
 	}
 	_ = r.rec.note(r.Rows.Err())
 }
@@ -267,7 +289,7 @@ type userRow struct {
 func (r userRow) Scan(dest ...any) error {
 	err := r.row.Scan(dest...)
 	if r.tx != nil {
-		r.tx.watch()
+		r.tx.watch(pgconn.CommandTag{}) // pgx.Row gives no tag
 	}
 	return r.rec.note(err)
 }
@@ -276,11 +298,15 @@ func (r userRow) Scan(dest ...any) error {
 // statements end with one status, read at its end.
 type userBatch struct {
 	pgx.BatchResults
-	tx *userTx
+	tx        *userTx
+	committed pgconn.CommandTag // the tag of a statement that committed (see committed)
 }
 
 func (b *userBatch) Exec() (pgconn.CommandTag, error) {
 	tag, err := b.BatchResults.Exec()
+	if committed(tag) {
+		b.committed = tag
+	}
 	return tag, b.tx.rec.note(err)
 }
 
@@ -296,6 +322,6 @@ func (b *userBatch) QueryRow() pgx.Row { return userRow{row: b.BatchResults.Quer
 
 func (b *userBatch) Close() error {
 	err := b.BatchResults.Close()
-	b.tx.watch()
+	b.tx.watch(b.committed)
 	return b.tx.rec.note(err)
 }
