@@ -32,6 +32,54 @@ func keyState(t *testing.T, e *env, scope, key string) (string, string) {
 	return status, *reason
 }
 
+// entryRun returns a call through entry of a function running body, and its
+// key's scope: "run", a Run of chargeKey("k1") whose function runs body and
+// answers 201; any other entry, RunWorkflow of rideKey("k1") through wf.
+func entryRun(ctx context.Context, r *txn.Runner, entry string, wf *txn.Workflow, body func(context.Context, pgx.Tx) error) (func() (txn.Response, error), string) {
+	if entry == "run" {
+		return func() (txn.Response, error) {
+			return r.Run(ctx, chargeKey("k1", 1), func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+				return txn.Response{Status: 201, Body: []byte(`"ok"`)}, body(ctx, tx)
+			})
+		}, "acct_1"
+	}
+	return func() (txn.Response, error) { return r.RunWorkflow(ctx, rideKey("k1"), wf) }, "user_1"
+}
+
+// endingFlow registers a workflow that runs body in the phase entry names:
+// "first_phase", its first Atomic phase; "second_phase", an Atomic phase
+// after one that wrote the charge 'zero'; "finish", Finish as its only
+// phase. It answers 201.
+func endingFlow(t *testing.T, e *env, entry string, body func(context.Context, pgx.Tx) error) *txn.Workflow {
+	t.Helper()
+	wf := txn.NewWorkflow("ends", func(ctx context.Context, a *txn.Attempt) (txn.Response, error) {
+		if entry == "second_phase" {
+			if _, err := txn.Atomic(ctx, a, "zero", func(ctx context.Context, tx pgx.Tx) (int, error) {
+				_, err := tx.Exec(ctx, `INSERT INTO charges (ref, amount) VALUES ('zero', 1)`)
+				return 0, err
+			}); err != nil {
+				return txn.Response{}, err
+			}
+		}
+		if entry != "finish" {
+			if _, err := txn.Atomic(ctx, a, "ends", func(ctx context.Context, tx pgx.Tx) (int, error) {
+				return 1, body(ctx, tx)
+			}); err != nil {
+				return txn.Response{}, err
+			}
+		}
+		return a.Finish(ctx, func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+			resp, err := txn.JSON(201, "done")
+			if entry == "finish" && err == nil {
+				err = body(ctx, tx)
+			}
+			return resp, err
+		})
+	})
+	require.NoError(t, e.reg.Register(wf))
+	return wf
+}
+
 // oneStepFlow: a workflow whose first phase is Atomic running body, then Finish.
 func oneStepFlow(t *testing.T, e *env, name string, body func(ctx context.Context, tx pgx.Tx) error) *txn.Workflow {
 	t.Helper()
@@ -69,20 +117,9 @@ func TestFunctionCommittingThroughItsConnFailsTheKey(t *testing.T) {
 				return err
 			}
 			wf := oneStepFlow(t, e, "conn_commit", body)
-			run := func() (txn.Response, error) {
-				if entry == "run" {
-					return e.runner.Run(ctx, chargeKey("k1", 1), func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
-						return txn.Response{Status: 201, Body: []byte(`"ok"`)}, body(ctx, tx)
-					})
-				}
-				return e.runner.RunWorkflow(ctx, rideKey("k1"), wf)
-			}
+			run, scope := entryRun(ctx, e.runner, entry, wf, body)
 			_, err := run()
 			require.ErrorIs(t, err, txn.ErrInvalidUse)
-			scope := "user_1"
-			if entry == "run" {
-				scope = "acct_1"
-			}
 			require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM charges WHERE ref = 'before'`), "committed by the COMMIT")
 			status, reason := keyState(t, e, scope, "k1")
 			k := readKey(t, e.Pool, scope, "k1")
@@ -442,39 +479,10 @@ func TestFunctionEndingItsTransactionAnyWayWritesNothingTwice(t *testing.T) {
 					t.Logf("late statement: %v", aerr)
 					return nil
 				}
-				wf := txn.NewWorkflow("ends", func(ctx context.Context, a *txn.Attempt) (txn.Response, error) {
-					if entry == "second_phase" {
-						if _, err := txn.Atomic(ctx, a, "zero", func(ctx context.Context, tx pgx.Tx) (int, error) {
-							_, err := tx.Exec(ctx, `INSERT INTO charges (ref, amount) VALUES ('zero', 1)`)
-							return 0, err
-						}); err != nil {
-							return txn.Response{}, err
-						}
-					}
-					if _, err := txn.Atomic(ctx, a, "ends", func(ctx context.Context, tx pgx.Tx) (int, error) {
-						return 1, body(ctx, tx)
-					}); err != nil {
-						return txn.Response{}, err
-					}
-					return a.Finish(ctx, func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
-						return txn.JSON(201, "done")
-					})
-				})
-				require.NoError(t, e.reg.Register(wf))
-				run := func() (txn.Response, error) {
-					if entry == "run" {
-						return e.runner.Run(ctx, chargeKey("k1", 1), func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
-							return txn.Response{Status: 201, Body: []byte(`"ok"`)}, body(ctx, tx)
-						})
-					}
-					return e.runner.RunWorkflow(ctx, rideKey("k1"), wf)
-				}
+				wf := endingFlow(t, e, entry, body)
+				run, scope := entryRun(ctx, e.runner, entry, wf, body)
 				_, err := run()
 				t.Logf("first: %v", err)
-				scope := "user_1"
-				if entry == "run" {
-					scope = "acct_1"
-				}
 				status, reason := keyState(t, e, scope, "k1")
 				before := e.Count(t, `SELECT count(*) FROM charges WHERE ref = 'before'`)
 				late := e.Count(t, `SELECT count(*) FROM charges WHERE ref = 'late'`)
@@ -520,20 +528,9 @@ func TestFunctionCommitAndChainFailsTheKey(t *testing.T) {
 				return nil
 			}
 			wf := oneStepFlow(t, e, "chain", body)
-			run := func() (txn.Response, error) {
-				if entry == "run" {
-					return e.runner.Run(ctx, chargeKey("k1", 1), func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
-						return txn.Response{Status: 201, Body: []byte(`"ok"`)}, body(ctx, tx)
-					})
-				}
-				return e.runner.RunWorkflow(ctx, rideKey("k1"), wf)
-			}
+			run, scope := entryRun(ctx, e.runner, entry, wf, body)
 			_, err := run()
 			t.Logf("first: %v", err)
-			scope := "user_1"
-			if entry == "run" {
-				scope = "acct_1"
-			}
 			status, reason := keyState(t, e, scope, "k1")
 			t.Logf("key after first: %s %q", status, reason)
 			time.Sleep(1200 * time.Millisecond)

@@ -227,38 +227,8 @@ func TestFunctionEndingItsTransactionThroughSQLFailsTheKeyAndRunsNothingMore(t *
 						_, afterErr = tx.Exec(ctx, `INSERT INTO charges (ref, amount) VALUES ('after', 1)`)
 						return nil // as a function that ignores the error would
 					}
-					wf := txn.NewWorkflow("ends", func(ctx context.Context, a *txn.Attempt) (txn.Response, error) {
-						if entry != "finish" {
-							if entry == "second_phase" {
-								if _, err := txn.Atomic(ctx, a, "zero", func(ctx context.Context, tx pgx.Tx) (int, error) {
-									_, err := tx.Exec(ctx, `INSERT INTO charges (ref, amount) VALUES ('zero', 1)`)
-									return 0, err
-								}); err != nil {
-									return txn.Response{}, err
-								}
-							}
-							if _, err := txn.Atomic(ctx, a, "ends", func(ctx context.Context, tx pgx.Tx) (int, error) {
-								return 1, body(ctx, tx)
-							}); err != nil {
-								return txn.Response{}, err
-							}
-						}
-						return a.Finish(ctx, func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
-							if entry == "finish" {
-								return txn.Response{Status: 201}, body(ctx, tx)
-							}
-							return txn.Response{Status: 201}, nil
-						})
-					})
-					require.NoError(t, e.reg.Register(wf))
-					run := func() (txn.Response, error) {
-						if entry == "run" {
-							return r.Run(ctx, chargeKey("k1", 1), func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
-								return txn.Response{Status: 201}, body(ctx, tx)
-							})
-						}
-						return r.RunWorkflow(ctx, rideKey("k1"), wf)
-					}
+					wf := endingFlow(t, e, entry, body)
+					run, scope := entryRun(ctx, r, entry, wf, body)
 					_, err := run()
 					require.ErrorIs(t, err, txn.ErrInvalidUse)
 					require.ErrorContains(t, err, "ended the transaction")
@@ -266,10 +236,6 @@ func TestFunctionEndingItsTransactionThroughSQLFailsTheKeyAndRunsNothingMore(t *
 					require.Zero(t, e.Count(t, `SELECT count(*) FROM charges WHERE ref = 'after'`))
 					if !first {
 						require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM charges WHERE ref = 'before'`), "committed by the function's COMMIT")
-					}
-					scope := "user_1"
-					if entry == "run" {
-						scope = "acct_1"
 					}
 					k := readKey(t, e.Pool, scope, "k1")
 					require.Equal(t, "failed", k.Status)
