@@ -200,16 +200,8 @@ func runAtomic[T any](ctx context.Context, a *Attempt, name string, fn func(ctx 
 	err := a.inTx(ctx, true, func(tx *lazyTx) (func(q *db.Queries) error, error) {
 		utx := newUserTx(tx)
 		v, err := guard(func() (T, error) { return fn(phasectx.WithKeyID(ctx, a.keyID()), utx) })
-		// The key insert's outcome comes first: a lost insert aborted the
-		// transaction, whatever fn made of its statements' errors.
-		if serr := tx.start(ctx); serr != nil {
-			return nil, serr
-		}
-		if tx.again {
-			return nil, errRunAgain
-		}
-		if eerr := utx.endedBySQL(); eerr != nil {
-			return nil, eerr // whatever fn made of it (txOnce fails the key)
+		if serr := utx.settle(ctx); serr != nil {
+			return nil, serr // whatever fn made of it (txOnce fails an ended key)
 		}
 		if rerr := utx.retry(); rerr != nil {
 			return nil, rerr // whatever fn made of it
@@ -519,14 +511,8 @@ func (a *Attempt) finish(ctx context.Context, fn Func) (Response, error) {
 		utx := newUserTx(tx)
 		var err error
 		resp, err = guard(func() (Response, error) { return fn(phasectx.WithKeyID(ctx, a.keyID()), utx) })
-		if serr := tx.start(ctx); serr != nil {
-			return nil, serr // the key insert's outcome comes first (see runAtomic)
-		}
-		if tx.again {
-			return nil, errRunAgain
-		}
-		if eerr := utx.endedBySQL(); eerr != nil {
-			return nil, eerr
+		if serr := utx.settle(ctx); serr != nil {
+			return nil, serr
 		}
 		if rerr := utx.retry(); rerr != nil {
 			return nil, rerr // whatever fn made of it

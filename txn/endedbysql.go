@@ -22,7 +22,7 @@ func (r *Runner) failEndedKey(ctx context.Context, req request, workflow string,
 	defer cancel()
 	n, err := r.q.FailKeyEndedByFunction(fctx, db.FailKeyEndedByFunctionParams{
 		FailureReason:  pgtype.Text{String: failure.ReasonEndedByFunction, Valid: true},
-		ResponseStatus: failure.Status, ResponseHeaders: failure.Header, ResponseBody: r.endedBody,
+		ResponseStatus: failure.Status, ResponseHeaders: failure.Header, ResponseBody: failure.EndedByFunctionBody(),
 		ID: id, LeaseToken: token,
 	})
 	attrs := []any{"scope", req.key.Scope, "key", req.key.Value, "workflow", workflow}

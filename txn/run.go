@@ -200,19 +200,13 @@ func (r *Runner) runSingle(ctx context.Context, req request, id int64, eager, pr
 	}
 	utx := newUserTx(tx)
 	resp, err = guard(func() (Response, error) { return fn(phasectx.WithKeyID(ctx, id), utx) })
-	// The key insert's outcome comes first: a lost insert aborted the
-	// transaction, whatever fn made of its statements' errors.
-	if serr := tx.start(ctx); serr != nil {
+	if serr := utx.settle(ctx); serr != nil {
+		if errors.Is(serr, errEndedBySQL) {
+			// What fn wrote before may have committed with the key's
+			// provisional row.
+			r.failEndedKey(ctx, req, "", id, uuid.NullUUID{})
+		}
 		return Response{}, false, serr
-	}
-	if tx.again {
-		return Response{}, false, errRunAgain
-	}
-	if eerr := utx.endedBySQL(); eerr != nil {
-		// Whatever fn made of it: what fn wrote before may have committed
-		// with the key's provisional row.
-		r.failEndedKey(ctx, req, "", id, uuid.NullUUID{})
-		return Response{}, false, eerr
 	}
 	if ins.ReusedExpired {
 		r.noteExpiredReuse(ctx, req, "")

@@ -52,7 +52,6 @@ type Runner struct {
 	expiredRejected, expiredReused                                                                        atomic.Uint64
 
 	maxAgeBody []byte            // the problem body stored for a key failed past MaxAge
-	endedBody  []byte            // the problem body stored for a key whose code ended its transaction
 	retry      backoff.Policy    // the wait before a phase's retry
 	hook       txnhook.Func      // the test kit's, else nil (see hook.go)
 	execMode   pgx.QueryExecMode // the pool's default exec mode
@@ -79,9 +78,8 @@ func New(pool *pgxpool.Pool, cfg *Config) (*Runner, error) {
 	pcfg := pool.Config()
 	return &Runner{
 		pool: pool, q: db.New(pool), cfg: c, log: c.Logger, maxAgeBody: failure.MaxAgeBody(c.MaxAge),
-		endedBody: failure.EndedByFunctionBody(),
-		retry:     backoff.Policy{Base: c.RetryBaseDelay, Max: c.RetryMaxDelay, Jitter: backoff.Equal},
-		tel:       telemetry.NewTxn(c.MeterProvider), tracer: telemetry.NewTracer(c.TracerProvider),
+		retry: backoff.Policy{Base: c.RetryBaseDelay, Max: c.RetryMaxDelay, Jitter: backoff.Equal},
+		tel:   telemetry.NewTxn(c.MeterProvider), tracer: telemetry.NewTracer(c.TracerProvider),
 		scopes:   telemetry.NewScopeHasher(c.ScopeHashKey),
 		execMode: pcfg.ConnConfig.DefaultQueryExecMode, modeByConn: pcfg.BeforeConnect != nil,
 	}, nil

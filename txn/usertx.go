@@ -51,7 +51,7 @@ type stmtErrors struct {
 
 // errEndedBySQL: user code ended the library's transaction through SQL.
 // What it wrote before may have committed without the phase's outcome; the
-// attempt fails the key (see Attempt.failEnded).
+// attempt fails the key (see Runner.failEndedKey).
 var errEndedBySQL = fmt.Errorf("%w: the function ended the transaction itself (COMMIT or ROLLBACK sent as SQL)", ErrInvalidUse)
 
 // watch runs after each of user code's statements: if the statement ended
@@ -108,6 +108,21 @@ func (t *userTx) pgConn() *pgconn.PgConn {
 // code left outside its transaction.
 const closeTimeout = time.Second
 
+// settle runs once user code returned, before its outcome is judged: the
+// key insert's outcome comes first (a lost insert aborted the transaction,
+// whatever user code made of its statements' errors), then a first
+// statement the server refused to prepare (errRunAgain), then a
+// transaction user code ended (errEndedBySQL).
+func (t *userTx) settle(ctx context.Context) error {
+	if err := t.root.start(ctx); err != nil {
+		return err
+	}
+	if t.root.again {
+		return errRunAgain
+	}
+	return t.endedBySQL()
+}
+
 // endedBySQL returns errEndedBySQL if a statement of user code ended the
 // transaction, or, after user code returned, if the connection is outside
 // a transaction (SQL sent on tx.Conn(), which watch does not see).
@@ -148,12 +163,10 @@ func (t *userTx) retry() error {
 	return t.rec.retryable
 }
 
-// usable checks, after user code returned, that the transaction can still
-// commit: user code did not end it through SQL, and no statement aborted it.
+// usable checks, after user code returned and settle found the
+// transaction still open, that it can commit: no result is left unread and
+// no statement aborted it.
 func (t *userTx) usable() error {
-	if err := t.endedBySQL(); err != nil {
-		return err
-	}
 	pc := t.Conn().PgConn()
 	if pc.IsClosed() {
 		// The connection was lost; its status is the last one read, from
@@ -165,10 +178,7 @@ func (t *userTx) usable() error {
 		// is not known until it is read): store nothing.
 		return fmt.Errorf("%w: the function returned with Rows not closed or a Row not scanned", ErrInvalidUse)
 	}
-	switch pc.TxStatus() {
-	case 'I':
-		return errEndedBySQL // through the connection itself, which watch does not see
-	case 'E':
+	if pc.TxStatus() == 'E' {
 		return t.aborted(nil)
 	}
 	return nil
