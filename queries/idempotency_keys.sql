@@ -2,9 +2,8 @@
 -- The request path's read: everything needed to replay or reject the call.
 -- lease_live is judged by the database clock. Always one row: for a missing
 -- key, id is NULL and new_id is the id the key will be inserted with
--- (InsertSingleKey takes it back), so that a run knows its key's id before
--- the insert, which waits for the function's first statement to go out
--- with it; with reject_expired, expired tells whether the key was cleaned
+-- (InsertFinishedSingleKey takes it back), so that a run knows its key's
+-- id before the insert, which comes after the function; with reject_expired, expired tells whether the key was cleaned
 -- up, so that such a retry runs nothing. (The insert checks again, for a
 -- key cleaned up between the two.) The tombstone probe is the body of
 -- atomicphase_key_tombstoned (00009) written out: PostgreSQL does not
@@ -86,7 +85,7 @@ WHERE scope = @scope AND key = @key;
 -- LookupWorkflowKey read, or if NULL, computed here; so is the id it
 -- allotted. When it goes out in one round trip with BEGIN and the first
 -- phase's first statement (must_insert), it fails when the key is taken, as
--- InsertSingleKey does, so that the phase's statement never runs; sent on
+-- TakeSingleKey does, so that the phase's statement never runs; sent on
 -- its own (before a Foreign phase that comes first, or by an attempt that
 -- lost an insert before), it returns no row instead.
 WITH ins AS (
@@ -121,48 +120,71 @@ WHERE CASE WHEN ins.ctid IS NOT NULL THEN true
            WHEN @must_insert::boolean THEN 1 / (SELECT count(*)::integer FROM ins) = 1
            ELSE false END;
 
--- name: InsertSingleKey :one
--- Starts a single-phase run: like InsertKey (same lock, same ON CONFLICT
--- check before the function runs), but the row is inserted already terminal
--- with a provisional 500, since nobody can see it before it commits with its
--- real response. FinishSingleKey then changes only unindexed columns, a HOT
--- update, instead of rewriting the row and its index entries. The id is the
--- one LookupKey allotted. When it goes out in one round trip with BEGIN and
--- the function's first statement (must_insert), it must fail, not insert
--- nothing, when the key is taken (1/count(*) raises division_by_zero): the
--- error aborts the transaction before the function's statement runs, which
--- could otherwise wait on the rows of the attempt that holds the key. Sent
--- on its own (a run that lost the key's insert before tries again), it
--- returns no row instead, which leaves no error in the server's log.
-WITH ins AS (
-    INSERT INTO idempotency_keys (
-        id, scope, key, fingerprint, request_method, request_path, request_params_raw,
-        workflow, recovery_point, phase_results, status, attempts, created_at,
-        last_run_at, finished_at, response_status
-    )
-    SELECT @id, @scope, @key, @fingerprint, @request_method, @request_path, @request_params::bytea,
-           '', 'finished', '{}'::jsonb, 'finished', 1, now(), now(), now(), 500
-    WHERE pg_try_advisory_xact_lock(
-        hashtextextended(length(@scope::text)::text || ':' || @scope::text || @key::text,
-                        'idempotency_keys'::regclass::oid::bigint))
-      AND (NOT @reject_expired::boolean
-           OR NOT EXISTS (SELECT FROM idempotency_key_tombstones t
-                         WHERE t.scope = @scope AND t.key_hash = sha256(convert_to(@key::text, 'UTF8'))
-                           AND t.expires_at > now())
-           OR atomicphase_refuse_tombstoned(@scope, @key))
-    ON CONFLICT (scope, key) DO NOTHING
-    RETURNING ctid,
-        (NOT @reject_expired::boolean
-         AND EXISTS (SELECT FROM idempotency_key_tombstones t
-                     WHERE t.scope = @scope AND t.key_hash = sha256(convert_to(@key::text, 'UTF8'))
-                       AND t.expires_at > now()))::boolean AS reused_expired
+-- name: TakeSingleKey :one
+-- Takes a single-phase run's key for its transaction: the transaction-scoped
+-- advisory lock on (scope, key) that every insert of the key takes (see
+-- InsertKey), so that a concurrent attempt gets ErrKeyInUse at once.
+-- Nothing is written: the row is inserted once, at the end, finished and
+-- with the response (InsertFinishedSingleKey), where an insert followed by
+-- an update of its row would write it twice. When it goes out in one round
+-- trip with BEGIN and the function's first statement (must_take), it fails
+-- (1/0 raises division_by_zero) when the key is held: the error aborts the
+-- transaction before the function's statement runs, which could otherwise
+-- wait on the rows of the attempt that holds the key. Sent on its own (a
+-- run that lost the key before tries again), it returns false instead,
+-- which leaves no error in the server's log. The lock is volatile, so no
+-- plan folds the division ahead of it.
+SELECT CASE WHEN @must_take::boolean
+            THEN 1 / pg_try_advisory_xact_lock(
+                     hashtextextended(length(@scope::text)::text || ':' || @scope::text || @key::text,
+                                      'idempotency_keys'::regclass::oid::bigint))::integer = 1
+            ELSE pg_try_advisory_xact_lock(
+                     hashtextextended(length(@scope::text)::text || ':' || @scope::text || @key::text,
+                                      'idempotency_keys'::regclass::oid::bigint))
+       END::boolean AS taken;
+
+-- name: InsertFinishedSingleKey :one
+-- Ends a single-phase run: inserts its key, finished, with the response, in
+-- the transaction that took it (TakeSingleKey) and holds the function's
+-- writes. The id is the one LookupKey allotted. It goes out in one round
+-- trip with COMMIT, so it fails rather than insert nothing: a key committed
+-- since the lookup (the lock was free by then) raises a unique violation,
+-- or a serialization failure when the row is not in the transaction's
+-- snapshot, and a key whose tombstone appeared since raises AP002; the
+-- error aborts the transaction and makes the pipelined COMMIT a no-op.
+-- reused_expired tells that the key reuses an expired one (ExpiredKeyAllow).
+INSERT INTO idempotency_keys (
+    id, scope, key, fingerprint, request_method, request_path, request_params_raw,
+    workflow, recovery_point, phase_results, status, attempts, created_at,
+    last_run_at, finished_at, response_status, response_headers, response_body
 )
-SELECT ins.ctid, coalesce(ins.reused_expired, false)::boolean AS reused_expired
-FROM (SELECT 1) AS one
-LEFT JOIN ins ON true
-WHERE CASE WHEN ins.ctid IS NOT NULL THEN true
-           WHEN @must_insert::boolean THEN 1 / (SELECT count(*)::integer FROM ins) = 1
-           ELSE false END;
+SELECT @id, @scope, @key, @fingerprint, @request_method, @request_path, @request_params::bytea,
+       '', 'finished', '{}'::jsonb, 'finished', 1, now(), now(), now(),
+       @response_status::integer, sqlc.arg(response_headers)::text::jsonb, @response_body::bytea
+WHERE NOT @reject_expired::boolean
+   OR NOT EXISTS (SELECT FROM idempotency_key_tombstones t
+                  WHERE t.scope = @scope AND t.key_hash = sha256(convert_to(@key::text, 'UTF8'))
+                    AND t.expires_at > now())
+   OR atomicphase_refuse_tombstoned(@scope, @key)
+RETURNING (NOT @reject_expired::boolean
+           AND EXISTS (SELECT FROM idempotency_key_tombstones t
+                       WHERE t.scope = @scope AND t.key_hash = sha256(convert_to(@key::text, 'UTF8'))
+                         AND t.expires_at > now()))::boolean AS reused_expired;
+
+-- name: InsertFailedSingleKey :execrows
+-- Stores the key of a single-phase run whose function ended its transaction
+-- through SQL (failure.ReasonEndedByFunction), failed: what the function
+-- wrote before may have committed without the key, so the operation must
+-- not run again. No row when a twin stored the key first.
+INSERT INTO idempotency_keys (
+    id, scope, key, fingerprint, request_method, request_path, request_params_raw,
+    workflow, recovery_point, phase_results, status, attempts, created_at,
+    last_run_at, finished_at, response_status, response_headers, response_body, failure_reason
+)
+VALUES (@id, @scope, @key, @fingerprint, @request_method, @request_path, @request_params::bytea,
+        '', 'finished', '{}'::jsonb, 'failed', 1, now(), now(), now(),
+        @response_status::integer, sqlc.arg(response_headers)::text::jsonb, @response_body::bytea, @failure_reason)
+ON CONFLICT DO NOTHING;
 
 -- name: TakeOverKey :one
 -- Takes the lease of a running key whose lease is free or expired, with a new
@@ -333,31 +355,13 @@ SET recovery_point = CASE WHEN coalesce(length(@member::bytea), 0) = 0 OR recove
     lease_token = NULL, leased_until = NULL, last_run_at = now()
 WHERE id = @id AND lease_token = @lease_token AND status = 'running';
 
--- name: FinishSingleKey :exec
--- Ends a single-phase run: stores the response in the row InsertSingleKey
--- inserted (unindexed columns only: a HOT update). It is sent in one round
--- trip with COMMIT, so it must fail, not match nothing, if the row is not
--- where the run left it: 1/count(*) raises division_by_zero on zero rows,
--- which aborts the transaction and makes the pipelined COMMIT a no-op.
-WITH stored AS (
-    UPDATE idempotency_keys
-    SET response_status = @response_status,
-        response_headers = sqlc.arg(response_headers)::text::jsonb,
-        response_body = @response_body
-    WHERE ctid = @tid AND id = @id AND lease_token IS NULL AND status = 'finished'
-    RETURNING 1
-)
-SELECT 1 / count(*)::integer FROM stored;
-
 -- name: FailKeyEndedByFunction :execrows
 -- Fails the key of an attempt whose function ended its transaction through
 -- SQL (failure.ReasonEndedByFunction): what the function wrote before may
 -- have committed without the phase's outcome, so the operation must not
--- run again. A workflow's key is fenced by the attempt's lease (its insert
--- may have committed with the function's COMMIT). A single-phase key
--- (lease_token NULL) was inserted terminal with its provisional 500
--- (InsertSingleKey), under the id only this attempt was allotted; nothing
--- else writes it before its FinishSingleKey, which never went out.
+-- run again. The key is fenced by the attempt's lease (its insert may have
+-- committed with the function's COMMIT). A single-phase run's key is not
+-- there to fail: see InsertFailedSingleKey.
 UPDATE idempotency_keys
 SET status = 'failed',
     failure_reason = @failure_reason,
@@ -367,6 +371,4 @@ SET status = 'failed',
     finished_at = now(),
     lease_token = NULL,
     leased_until = NULL
-WHERE id = @id
-  AND CASE WHEN sqlc.narg(lease_token)::uuid IS NULL THEN status = 'finished' AND workflow = ''
-           ELSE status = 'running' AND lease_token = sqlc.narg(lease_token)::uuid END;
+WHERE id = @id AND status = 'running' AND lease_token = @lease_token;

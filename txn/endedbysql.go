@@ -10,13 +10,12 @@ import (
 	"github.com/atomicphase/atomicphase/internal/failure"
 )
 
-// failEndedKey fails the key of an attempt whose function ended its
-// transaction through SQL (errEndedBySQL; see userTx.watch): what the
+// failEndedKey fails the key of a workflow attempt whose function ended
+// its transaction through SQL (errEndedBySQL; see userTx.watch): what the
 // function wrote before may have committed without the outcome, so no
-// retry may run the operation again. token is the workflow attempt's lease
-// (NULL for a single-phase run, whose key was inserted terminal). A key
-// the function's statement did not commit (a ROLLBACK) is not there to
-// fail, and a retry runs the operation as new.
+// retry may run the operation again. token is the attempt's lease. A key
+// the function's statement did not commit (a ROLLBACK of the first phase)
+// is not there to fail, and a retry runs the operation as new.
 func (r *Runner) failEndedKey(ctx context.Context, req request, workflow string, id int64, token uuid.NullUUID) {
 	fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.ReleaseTimeout)
 	defer cancel()
@@ -25,6 +24,29 @@ func (r *Runner) failEndedKey(ctx context.Context, req request, workflow string,
 		ResponseStatus: failure.Status, ResponseHeaders: failure.Header, ResponseBody: failure.EndedByFunctionBody(),
 		ID: id, LeaseToken: token,
 	})
+	r.logEndedKey(ctx, req, workflow, n, err)
+}
+
+// failEndedSingleKey is failEndedKey for a single-phase run, whose key is
+// inserted only with its response: it stores the key, failed, under the id
+// the run was allotted. Whether the function's statement committed or
+// rolled back cannot be told apart here, so the key is failed either way.
+// Until it is, the key is free: a twin that takes it in that moment runs
+// the operation again (the window is this one statement).
+func (r *Runner) failEndedSingleKey(ctx context.Context, req request, id int64) {
+	fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.ReleaseTimeout)
+	defer cancel()
+	n, err := r.q.InsertFailedSingleKey(fctx, db.InsertFailedSingleKeyParams{
+		ID: id, Scope: req.key.Scope, Key: req.key.Value, Fingerprint: req.fingerprint,
+		RequestMethod: req.key.Method, RequestPath: req.key.Path, RequestParams: req.params,
+		ResponseStatus: failure.Status, ResponseHeaders: failure.Header, ResponseBody: failure.EndedByFunctionBody(),
+		FailureReason: pgtype.Text{String: failure.ReasonEndedByFunction, Valid: true},
+	})
+	r.logEndedKey(ctx, req, "", n, err)
+}
+
+// logEndedKey logs the outcome of failing an ended key: n rows failed.
+func (r *Runner) logEndedKey(ctx context.Context, req request, workflow string, n int64, err error) {
 	attrs := []any{"scope", req.key.Scope, "key", req.key.Value, "workflow", workflow}
 	switch {
 	case err != nil:

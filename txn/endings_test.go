@@ -504,8 +504,8 @@ func TestFunctionEndingItsTransactionAnyWayWritesNothingTwice(t *testing.T) {
 // COMMIT AND CHAIN commits and opens a new transaction (the connection is
 // in a transaction after it): it is seen by its command tag, and the key is
 // failed, so that a transient error after it does not make the resume run
-// the committed phase again (a workflow), and a Run's key does not keep its
-// provisional row.
+// the committed phase again (a workflow), and a Run's writes are not left
+// committed without a key.
 func TestFunctionCommitAndChainFailsTheKey(t *testing.T) {
 	t.Parallel()
 	for _, entry := range []string{"run", "first_phase"} {

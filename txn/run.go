@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 
-	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 
 	"github.com/atomicphase/atomicphase/internal/db"
@@ -22,14 +21,17 @@ type Func func(ctx context.Context, tx pgx.Tx) (Response, error)
 // Run runs fn for key. The key row, fn's writes and the stored response
 // commit together in one SERIALIZABLE transaction, so a single-phase Run
 // costs one commit, like the bare business transaction, and two round
-// trips besides fn's statements: a read of the key, and the response with
-// COMMIT. BEGIN and the key's insert go out with fn's first statement.
+// trips besides fn's statements: a read of the key, and the key row (with
+// the response) with COMMIT. BEGIN and the key's lock go out with fn's
+// first statement; the key row is written once, at the end.
 //
 // So the key is taken by fn's first statement, not before fn runs. A
 // concurrent call with the same key that takes it first wins: fn's first
 // statement then does not run (the transaction is aborted before it), and
 // Run answers as a retry would, ErrKeyInUse or the winner's replayed
-// response, whatever fn returned.
+// response, whatever fn returned. A call whose read of the key came just
+// before the winner committed runs fn in a transaction that is then rolled
+// back (its key's insert meets the winner's row), and replays.
 //
 // fn may run more than once: when the transaction fails with a
 // serialization failure or a deadlock, it is rolled back and fn runs again,
@@ -147,16 +149,17 @@ func (r *Runner) run(ctx context.Context, req request, fn Func) (Response, error
 // lookup and our insert; the caller looks again.
 var errRaced = errors.New("key inserted concurrently")
 
-// runSingle runs fn once in a new transaction with the key's row, inserted
-// as id. stored is false when Config.Store rejected fn's response: the
-// transaction was rolled back and the response is returned as it is.
+// runSingle runs fn once in a new transaction that takes the key, id, and
+// inserts it at the end with the response. stored is false when
+// Config.Store rejected fn's response: the transaction was rolled back and
+// the response is returned as it is.
 //
-// The key's insert goes out with fn's first statement, so a twin that
-// comes first costs fn's run up to that statement. eager (the run lost an
-// insert to a twin already, and may be waiting for it in a loop) sends the
-// insert before fn runs instead, so that a run that keeps losing runs
-// nothing of fn. prepare false: fn's first statement is not prepared by the
-// run (see errRunAgain).
+// The key is taken (TakeSingleKey's lock) by a statement that goes out
+// with fn's first statement, so a twin that comes first costs fn's run up
+// to that statement. eager (the run lost the key to a twin already, and
+// may be waiting for it in a loop) takes it before fn runs instead, so
+// that a run that keeps losing runs nothing of fn. prepare false: fn's
+// first statement is not prepared by the run (see errRunAgain).
 func (r *Runner) runSingle(ctx context.Context, req request, id int64, eager, prepare bool, fn Func) (resp Response, stored bool, err error) {
 	// The connection is acquired explicitly so that the last statement and
 	// COMMIT can go out in one round trip (see commitWith).
@@ -165,23 +168,18 @@ func (r *Runner) runSingle(ctx context.Context, req request, id int64, eager, pr
 		return Response{}, false, fmt.Errorf("acquire: %w", err)
 	}
 	defer conn.Release()
-	// BEGIN and the key insert go out with fn's first statement, in one
+	// BEGIN and the key's lock go out with fn's first statement, in one
 	// round trip (see lazyTx).
-	params := db.InsertSingleKeyParams{
-		MustInsert: !eager, ID: id, Scope: req.key.Scope, Key: req.key.Value, Fingerprint: req.fingerprint,
-		RequestMethod: req.key.Method, RequestPath: req.key.Path, RequestParams: req.params,
-		RejectExpired: r.cfg.ExpiredKeyPolicy == ExpiredKeyReject,
-	}
-	var ins db.InsertSingleKeyRow
+	take := db.TakeSingleKeyParams{MustTake: !eager, Scope: req.key.Scope, Key: req.key.Value}
 	tx := newLazyTx(ctx, conn.Conn(), pgx.TxOptions{IsoLevel: pgx.Serializable}, opener{
-		queue: func(b *pgx.Batch) { _, _ = db.New(pgbatch.Queue{B: b}).InsertSingleKey(ctx, params) },
-		read: func(br pgx.BatchResults) (err error) {
-			ins, err = db.New(pgbatch.Results{BR: br}).InsertSingleKey(ctx, params)
+		queue: func(b *pgx.Batch) { _, _ = db.New(pgbatch.Queue{B: b}).TakeSingleKey(ctx, take) },
+		read: func(br pgx.BatchResults) error {
+			taken, err := db.New(pgbatch.Results{BR: br}).TakeSingleKey(ctx, take)
 			switch {
-			case errors.Is(err, pgx.ErrNoRows), pgerr.Code(err) == pgerr.DivisionByZero:
-				return errRaced // held by an uncommitted attempt, or committed since our lookup
+			case err == nil && !taken, pgerr.Code(err) == pgerr.DivisionByZero:
+				return errRaced // held by an uncommitted attempt
 			case err != nil:
-				return fmt.Errorf("insert key: %w", r.keyExpired(ctx, req, "", err))
+				return fmt.Errorf("take key: %w", err)
 			}
 			return nil
 		},
@@ -202,14 +200,10 @@ func (r *Runner) runSingle(ctx context.Context, req request, id int64, eager, pr
 	resp, err = guard(func() (Response, error) { return fn(phasectx.WithKeyID(ctx, id), utx) })
 	if serr := utx.settle(ctx); serr != nil {
 		if errors.Is(serr, errEndedBySQL) {
-			// What fn wrote before may have committed with the key's
-			// provisional row.
-			r.failEndedKey(ctx, req, "", id, uuid.NullUUID{})
+			// What fn wrote before may have committed, without the key.
+			r.failEndedSingleKey(ctx, req, id)
 		}
 		return Response{}, false, serr
-	}
-	if ins.ReusedExpired {
-		r.noteExpiredReuse(ctx, req, "")
 	}
 	if rerr := utx.retry(); rerr != nil {
 		return Response{}, false, rerr // whatever fn made of it
@@ -231,16 +225,25 @@ func (r *Runner) runSingle(ctx context.Context, req request, id int64, eager, pr
 	if err != nil {
 		return Response{}, false, err
 	}
-	// By ctid: a TID scan takes no predicate lock on shared index pages.
-	err = commitWith(ctx, tx, func(q *db.Queries) error {
-		return q.FinishSingleKey(ctx, db.FinishSingleKeyParams{
-			Tid: ins.Ctid, ID: id,
-			ResponseStatus: int4(resp.Status), ResponseHeaders: string(header), ResponseBody: resp.Body,
+	var reusedExpired bool
+	err = commitWith(ctx, tx, func(q *db.Queries) (err error) {
+		reusedExpired, err = q.InsertFinishedSingleKey(ctx, db.InsertFinishedSingleKeyParams{
+			ID: id, Scope: req.key.Scope, Key: req.key.Value, Fingerprint: req.fingerprint,
+			RequestMethod: req.key.Method, RequestPath: req.key.Path, RequestParams: req.params,
+			ResponseStatus: int32(resp.Status), ResponseHeaders: string(header), ResponseBody: resp.Body,
+			RejectExpired: r.cfg.ExpiredKeyPolicy == ExpiredKeyReject,
 		})
+		return err
 	})
 	committed = err == nil // on success tx is committed and must not be used again
-	if err != nil {
-		return Response{}, false, utx.explain(err)
+	switch {
+	case pgerr.IsKeyTaken(err):
+		return Response{}, false, errRaced // committed since our lookup: the next one sees it
+	case err != nil:
+		return Response{}, false, r.keyExpired(ctx, req, "", utx.explain(err))
+	}
+	if reusedExpired {
+		r.noteExpiredReuse(ctx, req, "")
 	}
 	resp.Replayed = false
 	return resp, true, nil

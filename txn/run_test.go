@@ -3,6 +3,7 @@ package txn_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net/http"
 	"strings"
 	"sync"
@@ -39,6 +40,34 @@ func TestNewKeyRunsOnceAndStoresResponseWithWrites(t *testing.T) {
 
 	// The key row and the business row were written by the same transaction.
 	require.Equal(t, 1, e.Count(t, `SELECT count(DISTINCT k.xmin::text) FROM idempotency_keys k, charges c WHERE k.xmin::text = c.xmin::text`))
+}
+
+// A Run on a new key writes its key row once: inserted at the end, finished
+// and with the response, as a hand-written keyed transaction would, not
+// inserted and then updated. Counted by the server: a trigger bumps a
+// sequence (which no rollback undoes) for every row version written.
+func TestRunWritesItsKeyRowOnce(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	_, err := e.Pool.Exec(ctx, `
+		CREATE SEQUENCE key_row_writes;
+		CREATE FUNCTION count_key_row_write() RETURNS trigger LANGUAGE plpgsql AS $$
+		BEGIN PERFORM nextval('key_row_writes'); RETURN NEW; END $$;
+		CREATE TRIGGER count_key_row_writes BEFORE INSERT OR UPDATE ON idempotency_keys
+			FOR EACH ROW EXECUTE FUNCTION count_key_row_write()`)
+	require.NoError(t, err)
+	var calls atomic.Int64
+	for i := range 3 { // the first Run on a connection prepares; the later ones ride with BEGIN
+		ref := fmt.Sprintf("c%d", i)
+		resp, err := e.runner.Run(ctx, chargeKey(ref, 1), insertCharge(&calls, ref, 1))
+		require.NoError(t, err)
+		require.Equal(t, 201, resp.Status)
+	}
+	var writes int64
+	require.NoError(t, e.Pool.QueryRow(ctx, `SELECT last_value FROM key_row_writes`).Scan(&writes))
+	require.Equal(t, int64(3), writes, "one row version per key")
+	require.Equal(t, 3, e.Count(t, `SELECT count(*) FROM idempotency_keys WHERE status = 'finished' AND response_status = 201`))
 }
 
 func TestFunctionErrorStoresNothingAndRetryRunsAgain(t *testing.T) {
@@ -263,15 +292,17 @@ func TestConcurrentAttemptGetsKeyInUseAtOnce(t *testing.T) {
 }
 
 // The key is taken by the transaction of the function's first statement,
-// which carries its insert: a twin that comes before it runs and commits,
-// and the first caller's function, rolled back, answers with the twin's
-// stored response. The operation happens once.
+// which carries its lock: a twin that comes before it runs and commits.
+// The first caller's lookup came before the twin's commit, so its function
+// runs on (the lock is free by then), and its key's insert, at the end,
+// meets the twin's row: its writes are rolled back and it answers with the
+// twin's stored response. The operation happens once.
 func TestKeyIsTakenWithTheFunctionsFirstStatement(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, nil)
 	ctx := ctxT(t)
 	entered, release := make(chan struct{}), make(chan struct{})
-	var calls atomic.Int64
+	var calls, firstRan atomic.Int64
 	type result struct {
 		resp txn.Response
 		err  error
@@ -283,7 +314,7 @@ func TestKeyIsTakenWithTheFunctionsFirstStatement(t *testing.T) {
 				close(entered)
 				<-release // no statement yet: nothing taken
 			}
-			return insertCharge(&atomic.Int64{}, "first", 500)(ctx, tx)
+			return insertCharge(&firstRan, "first", 500)(ctx, tx)
 		})
 		done <- result{resp, err}
 	}()
@@ -294,7 +325,8 @@ func TestKeyIsTakenWithTheFunctionsFirstStatement(t *testing.T) {
 	close(release)
 	first := <-done
 	require.NoError(t, first.err)
-	require.True(t, first.resp.Replayed, "the first caller's insert lost to the committed twin")
+	require.True(t, first.resp.Replayed, "the first caller's key insert lost to the committed twin")
+	require.Equal(t, int64(1), firstRan.Load(), "the first caller's function ran, in a transaction rolled back")
 	require.Equal(t, twin.Body, first.resp.Body)
 	require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM charges`))
 	require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM charges WHERE ref = 'twin'`))
@@ -419,22 +451,39 @@ func TestRealSerializationConflictsConvergeExactly(t *testing.T) {
 	t.Logf("serialization retries: %d", e.runner.Stats().Retries)
 }
 
-// A function that rewrites its own key row breaks the single-phase run's
-// bookkeeping: nothing may commit then, although COMMIT is pipelined.
-func TestSinglePhaseCommitsNothingIfItsKeyRowChanged(t *testing.T) {
+// A single-phase run's key row is written only with the response, after
+// the function: a function that writes the key table (here, every row of
+// it, and the row its key would have) cannot reach it, and the run stores
+// the key once with what the function returned.
+func TestFunctionWritingTheKeyTableCannotReachItsKeyRow(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, nil)
 	ctx := ctxT(t)
-	_, err := e.runner.Run(ctx, chargeKey("k1", 1), func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+	var calls atomic.Int64
+	_, err := e.runner.Run(ctx, chargeKey("k0", 1), insertCharge(&calls, "c0", 1))
+	require.NoError(t, err)
+	resp, err := e.runner.Run(ctx, chargeKey("k1", 1), func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
 		if _, err := tx.Exec(ctx, `INSERT INTO charges (ref, amount) VALUES ('x', 1)`); err != nil {
 			return txn.Response{}, err
 		}
-		_, err := tx.Exec(ctx, `UPDATE idempotency_keys SET request_path = request_path`) // moves the row
-		return txn.Response{Status: 201}, err
+		if _, err := tx.Exec(ctx, `UPDATE idempotency_keys SET request_path = request_path`); err != nil {
+			return txn.Response{}, err
+		}
+		if _, err := tx.Exec(ctx, `DELETE FROM idempotency_keys WHERE key = 'k1'`); err != nil {
+			return txn.Response{}, err
+		}
+		return txn.JSON(201, "k1")
 	})
-	require.Error(t, err)
-	require.Equal(t, 0, e.Count(t, `SELECT count(*) FROM charges`), "the business write did not commit")
-	require.Equal(t, 0, e.Count(t, `SELECT count(*) FROM idempotency_keys`))
+	require.NoError(t, err)
+	require.Equal(t, 201, resp.Status)
+	require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM charges WHERE ref = 'x'`))
+	k := readKey(t, e.Pool, "acct_1", "k1")
+	require.Equal(t, "finished", k.Status)
+	require.Equal(t, `"k1"`, string(k.RespBody))
+	again, err := e.runner.Run(ctx, chargeKey("k1", 1), insertCharge(&calls, "c1", 1))
+	require.NoError(t, err)
+	require.True(t, again.Replayed)
+	require.Equal(t, int64(1), calls.Load())
 }
 
 func TestFiftyGoroutinesOnOneNewKeyRunItOnce(t *testing.T) {

@@ -186,9 +186,7 @@ SET status = 'failed',
     finished_at = now(),
     lease_token = NULL,
     leased_until = NULL
-WHERE id = $5
-  AND CASE WHEN $6::uuid IS NULL THEN status = 'finished' AND workflow = ''
-           ELSE status = 'running' AND lease_token = $6::uuid END
+WHERE id = $5 AND status = 'running' AND lease_token = $6
 `
 
 type FailKeyEndedByFunctionParams struct {
@@ -203,11 +201,9 @@ type FailKeyEndedByFunctionParams struct {
 // Fails the key of an attempt whose function ended its transaction through
 // SQL (failure.ReasonEndedByFunction): what the function wrote before may
 // have committed without the phase's outcome, so the operation must not
-// run again. A workflow's key is fenced by the attempt's lease (its insert
-// may have committed with the function's COMMIT). A single-phase key
-// (lease_token NULL) was inserted terminal with its provisional 500
-// (InsertSingleKey), under the id only this attempt was allotted; nothing
-// else writes it before its FinishSingleKey, which never went out.
+// run again. The key is fenced by the attempt's lease (its insert may have
+// committed with the function's COMMIT). A single-phase run's key is not
+// there to fail: see InsertFailedSingleKey.
 func (q *Queries) FailKeyEndedByFunction(ctx context.Context, arg FailKeyEndedByFunctionParams) (int64, error) {
 	result, err := q.db.Exec(ctx, failKeyEndedByFunction,
 		arg.FailureReason,
@@ -283,40 +279,116 @@ func (q *Queries) FinishKey(ctx context.Context, arg FinishKeyParams) (FinishKey
 	return i, err
 }
 
-const finishSingleKey = `-- name: FinishSingleKey :exec
-WITH stored AS (
-    UPDATE idempotency_keys
-    SET response_status = $1,
-        response_headers = $2::text::jsonb,
-        response_body = $3
-    WHERE ctid = $4 AND id = $5 AND lease_token IS NULL AND status = 'finished'
-    RETURNING 1
+const insertFailedSingleKey = `-- name: InsertFailedSingleKey :execrows
+INSERT INTO idempotency_keys (
+    id, scope, key, fingerprint, request_method, request_path, request_params_raw,
+    workflow, recovery_point, phase_results, status, attempts, created_at,
+    last_run_at, finished_at, response_status, response_headers, response_body, failure_reason
 )
-SELECT 1 / count(*)::integer FROM stored
+VALUES ($1, $2, $3, $4, $5, $6, $7::bytea,
+        '', 'finished', '{}'::jsonb, 'failed', 1, now(), now(), now(),
+        $8::integer, $9::text::jsonb, $10::bytea, $11)
+ON CONFLICT DO NOTHING
 `
 
-type FinishSingleKeyParams struct {
-	ResponseStatus  pgtype.Int4
+type InsertFailedSingleKeyParams struct {
+	ID              int64
+	Scope           string
+	Key             string
+	Fingerprint     []byte
+	RequestMethod   string
+	RequestPath     string
+	RequestParams   []byte
+	ResponseStatus  int32
 	ResponseHeaders string
 	ResponseBody    []byte
-	Tid             pgtype.TID
-	ID              int64
+	FailureReason   pgtype.Text
 }
 
-// Ends a single-phase run: stores the response in the row InsertSingleKey
-// inserted (unindexed columns only: a HOT update). It is sent in one round
-// trip with COMMIT, so it must fail, not match nothing, if the row is not
-// where the run left it: 1/count(*) raises division_by_zero on zero rows,
-// which aborts the transaction and makes the pipelined COMMIT a no-op.
-func (q *Queries) FinishSingleKey(ctx context.Context, arg FinishSingleKeyParams) error {
-	_, err := q.db.Exec(ctx, finishSingleKey,
+// Stores the key of a single-phase run whose function ended its transaction
+// through SQL (failure.ReasonEndedByFunction), failed: what the function
+// wrote before may have committed without the key, so the operation must
+// not run again. No row when a twin stored the key first.
+func (q *Queries) InsertFailedSingleKey(ctx context.Context, arg InsertFailedSingleKeyParams) (int64, error) {
+	result, err := q.db.Exec(ctx, insertFailedSingleKey,
+		arg.ID,
+		arg.Scope,
+		arg.Key,
+		arg.Fingerprint,
+		arg.RequestMethod,
+		arg.RequestPath,
+		arg.RequestParams,
 		arg.ResponseStatus,
 		arg.ResponseHeaders,
 		arg.ResponseBody,
-		arg.Tid,
-		arg.ID,
+		arg.FailureReason,
 	)
-	return err
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected(), nil
+}
+
+const insertFinishedSingleKey = `-- name: InsertFinishedSingleKey :one
+INSERT INTO idempotency_keys (
+    id, scope, key, fingerprint, request_method, request_path, request_params_raw,
+    workflow, recovery_point, phase_results, status, attempts, created_at,
+    last_run_at, finished_at, response_status, response_headers, response_body
+)
+SELECT $1, $2, $3, $4, $5, $6, $7::bytea,
+       '', 'finished', '{}'::jsonb, 'finished', 1, now(), now(), now(),
+       $8::integer, $9::text::jsonb, $10::bytea
+WHERE NOT $11::boolean
+   OR NOT EXISTS (SELECT FROM idempotency_key_tombstones t
+                  WHERE t.scope = $2 AND t.key_hash = sha256(convert_to($3::text, 'UTF8'))
+                    AND t.expires_at > now())
+   OR atomicphase_refuse_tombstoned($2, $3)
+RETURNING (NOT $11::boolean
+           AND EXISTS (SELECT FROM idempotency_key_tombstones t
+                       WHERE t.scope = $2 AND t.key_hash = sha256(convert_to($3::text, 'UTF8'))
+                         AND t.expires_at > now()))::boolean AS reused_expired
+`
+
+type InsertFinishedSingleKeyParams struct {
+	ID              int64
+	Scope           string
+	Key             string
+	Fingerprint     []byte
+	RequestMethod   string
+	RequestPath     string
+	RequestParams   []byte
+	ResponseStatus  int32
+	ResponseHeaders string
+	ResponseBody    []byte
+	RejectExpired   bool
+}
+
+// Ends a single-phase run: inserts its key, finished, with the response, in
+// the transaction that took it (TakeSingleKey) and holds the function's
+// writes. The id is the one LookupKey allotted. It goes out in one round
+// trip with COMMIT, so it fails rather than insert nothing: a key committed
+// since the lookup (the lock was free by then) raises a unique violation,
+// or a serialization failure when the row is not in the transaction's
+// snapshot, and a key whose tombstone appeared since raises AP002; the
+// error aborts the transaction and makes the pipelined COMMIT a no-op.
+// reused_expired tells that the key reuses an expired one (ExpiredKeyAllow).
+func (q *Queries) InsertFinishedSingleKey(ctx context.Context, arg InsertFinishedSingleKeyParams) (bool, error) {
+	row := q.db.QueryRow(ctx, insertFinishedSingleKey,
+		arg.ID,
+		arg.Scope,
+		arg.Key,
+		arg.Fingerprint,
+		arg.RequestMethod,
+		arg.RequestPath,
+		arg.RequestParams,
+		arg.ResponseStatus,
+		arg.ResponseHeaders,
+		arg.ResponseBody,
+		arg.RejectExpired,
+	)
+	var reused_expired bool
+	err := row.Scan(&reused_expired)
+	return reused_expired, err
 }
 
 const insertKey = `-- name: InsertKey :one
@@ -395,7 +467,7 @@ type InsertKeyRow struct {
 // LookupWorkflowKey read, or if NULL, computed here; so is the id it
 // allotted. When it goes out in one round trip with BEGIN and the first
 // phase's first statement (must_insert), it fails when the key is taken, as
-// InsertSingleKey does, so that the phase's statement never runs; sent on
+// TakeSingleKey does, so that the phase's statement never runs; sent on
 // its own (before a Foreign phase that comes first, or by an attempt that
 // lost an insert before), it returns no row instead.
 func (q *Queries) InsertKey(ctx context.Context, arg InsertKeyParams) (InsertKeyRow, error) {
@@ -421,84 +493,6 @@ func (q *Queries) InsertKey(ctx context.Context, arg InsertKeyParams) (InsertKey
 		&i.ForeignKeySeed,
 		&i.ReusedExpired,
 	)
-	return i, err
-}
-
-const insertSingleKey = `-- name: InsertSingleKey :one
-WITH ins AS (
-    INSERT INTO idempotency_keys (
-        id, scope, key, fingerprint, request_method, request_path, request_params_raw,
-        workflow, recovery_point, phase_results, status, attempts, created_at,
-        last_run_at, finished_at, response_status
-    )
-    SELECT $2, $3, $4, $5, $6, $7, $8::bytea,
-           '', 'finished', '{}'::jsonb, 'finished', 1, now(), now(), now(), 500
-    WHERE pg_try_advisory_xact_lock(
-        hashtextextended(length($3::text)::text || ':' || $3::text || $4::text,
-                        'idempotency_keys'::regclass::oid::bigint))
-      AND (NOT $9::boolean
-           OR NOT EXISTS (SELECT FROM idempotency_key_tombstones t
-                         WHERE t.scope = $3 AND t.key_hash = sha256(convert_to($4::text, 'UTF8'))
-                           AND t.expires_at > now())
-           OR atomicphase_refuse_tombstoned($3, $4))
-    ON CONFLICT (scope, key) DO NOTHING
-    RETURNING ctid,
-        (NOT $9::boolean
-         AND EXISTS (SELECT FROM idempotency_key_tombstones t
-                     WHERE t.scope = $3 AND t.key_hash = sha256(convert_to($4::text, 'UTF8'))
-                       AND t.expires_at > now()))::boolean AS reused_expired
-)
-SELECT ins.ctid, coalesce(ins.reused_expired, false)::boolean AS reused_expired
-FROM (SELECT 1) AS one
-LEFT JOIN ins ON true
-WHERE CASE WHEN ins.ctid IS NOT NULL THEN true
-           WHEN $1::boolean THEN 1 / (SELECT count(*)::integer FROM ins) = 1
-           ELSE false END
-`
-
-type InsertSingleKeyParams struct {
-	MustInsert    bool
-	ID            int64
-	Scope         string
-	Key           string
-	Fingerprint   []byte
-	RequestMethod string
-	RequestPath   string
-	RequestParams []byte
-	RejectExpired bool
-}
-
-type InsertSingleKeyRow struct {
-	Ctid          pgtype.TID
-	ReusedExpired bool
-}
-
-// Starts a single-phase run: like InsertKey (same lock, same ON CONFLICT
-// check before the function runs), but the row is inserted already terminal
-// with a provisional 500, since nobody can see it before it commits with its
-// real response. FinishSingleKey then changes only unindexed columns, a HOT
-// update, instead of rewriting the row and its index entries. The id is the
-// one LookupKey allotted. When it goes out in one round trip with BEGIN and
-// the function's first statement (must_insert), it must fail, not insert
-// nothing, when the key is taken (1/count(*) raises division_by_zero): the
-// error aborts the transaction before the function's statement runs, which
-// could otherwise wait on the rows of the attempt that holds the key. Sent
-// on its own (a run that lost the key's insert before tries again), it
-// returns no row instead, which leaves no error in the server's log.
-func (q *Queries) InsertSingleKey(ctx context.Context, arg InsertSingleKeyParams) (InsertSingleKeyRow, error) {
-	row := q.db.QueryRow(ctx, insertSingleKey,
-		arg.MustInsert,
-		arg.ID,
-		arg.Scope,
-		arg.Key,
-		arg.Fingerprint,
-		arg.RequestMethod,
-		arg.RequestPath,
-		arg.RequestParams,
-		arg.RejectExpired,
-	)
-	var i InsertSingleKeyRow
-	err := row.Scan(&i.Ctid, &i.ReusedExpired)
 	return i, err
 }
 
@@ -586,9 +580,8 @@ type LookupKeyRow struct {
 // The request path's read: everything needed to replay or reject the call.
 // lease_live is judged by the database clock. Always one row: for a missing
 // key, id is NULL and new_id is the id the key will be inserted with
-// (InsertSingleKey takes it back), so that a run knows its key's id before
-// the insert, which waits for the function's first statement to go out
-// with it; with reject_expired, expired tells whether the key was cleaned
+// (InsertFinishedSingleKey takes it back), so that a run knows its key's
+// id before the insert, which comes after the function; with reject_expired, expired tells whether the key was cleaned
 // up, so that such a retry runs nothing. (The insert checks again, for a
 // key cleaned up between the two.) The tombstone probe is the body of
 // atomicphase_key_tombstoned (00009) written out: PostgreSQL does not
@@ -874,4 +867,41 @@ func (q *Queries) TakeOverKey(ctx context.Context, arg TakeOverKeyParams) (TakeO
 		&i.ResponseBody,
 	)
 	return i, err
+}
+
+const takeSingleKey = `-- name: TakeSingleKey :one
+SELECT CASE WHEN $1::boolean
+            THEN 1 / pg_try_advisory_xact_lock(
+                     hashtextextended(length($2::text)::text || ':' || $2::text || $3::text,
+                                      'idempotency_keys'::regclass::oid::bigint))::integer = 1
+            ELSE pg_try_advisory_xact_lock(
+                     hashtextextended(length($2::text)::text || ':' || $2::text || $3::text,
+                                      'idempotency_keys'::regclass::oid::bigint))
+       END::boolean AS taken
+`
+
+type TakeSingleKeyParams struct {
+	MustTake bool
+	Scope    string
+	Key      string
+}
+
+// Takes a single-phase run's key for its transaction: the transaction-scoped
+// advisory lock on (scope, key) that every insert of the key takes (see
+// InsertKey), so that a concurrent attempt gets ErrKeyInUse at once.
+// Nothing is written: the row is inserted once, at the end, finished and
+// with the response (InsertFinishedSingleKey), where an insert followed by
+// an update of its row would write it twice. When it goes out in one round
+// trip with BEGIN and the function's first statement (must_take), it fails
+// (1/0 raises division_by_zero) when the key is held: the error aborts the
+// transaction before the function's statement runs, which could otherwise
+// wait on the rows of the attempt that holds the key. Sent on its own (a
+// run that lost the key before tries again), it returns false instead,
+// which leaves no error in the server's log. The lock is volatile, so no
+// plan folds the division ahead of it.
+func (q *Queries) TakeSingleKey(ctx context.Context, arg TakeSingleKeyParams) (bool, error) {
+	row := q.db.QueryRow(ctx, takeSingleKey, arg.MustTake, arg.Scope, arg.Key)
+	var taken bool
+	err := row.Scan(&taken)
+	return taken, err
 }

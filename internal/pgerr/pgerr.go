@@ -92,6 +92,17 @@ func IsKeyIDTaken(err error) bool {
 	return errors.As(err, &pgErr) && pgErr.Code == UniqueViolation && pgErr.ConstraintName == KeyIDConstraint
 }
 
+// KeyConstraint is the unique constraint of idempotency_keys on (scope,
+// key).
+const KeyConstraint = "idempotency_keys_scope_key_uniq"
+
+// IsKeyTaken reports a key inserted under a (scope, key) that another
+// key, committed since the inserting transaction looked, already has.
+func IsKeyTaken(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == UniqueViolation && pgErr.ConstraintName == KeyConstraint
+}
+
 // IsLockNotAvailable reports a lock that could not be taken without waiting
 // (NOWAIT or lock_timeout).
 func IsLockNotAvailable(err error) bool { return Code(err) == LockNotAvailable }

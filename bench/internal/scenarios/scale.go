@@ -277,8 +277,8 @@ func mib(b int64) string { return fmt.Sprintf("%.0f MiB", float64(b)/(1<<20)) }
 
 // explainKeyPath returns EXPLAIN (ANALYZE, BUFFERS) of the request path's
 // key lookup (LookupKey's statement) for a random finished key, and of the
-// single-phase key insert (InsertSingleKey's) of a new key, the latter in a
-// transaction that is rolled back.
+// single-phase key insert (InsertFinishedSingleKey's) of a new key, the
+// latter in a transaction that is rolled back.
 func explainKeyPath(ctx context.Context, pool *pgxpool.Pool, n int) (string, error) {
 	lookup := `EXPLAIN (ANALYZE, BUFFERS)
 SELECT id, fingerprint, workflow, recovery_point, status,
@@ -291,20 +291,17 @@ WHERE scope = $1 AND key = $2`
 INSERT INTO idempotency_keys (
     scope, key, fingerprint, request_method, request_path, request_params_raw,
     workflow, recovery_point, phase_results, status, attempts, created_at,
-    last_run_at, finished_at, response_status)
+    last_run_at, finished_at, response_status, response_headers, response_body)
 SELECT $1, $2, sha256('x'), 'POST', '/orders', '{}'::bytea,
-       '', 'finished', '{}'::jsonb, 'finished', 1, now(), now(), now(), 500
-WHERE pg_try_advisory_xact_lock(hashtextextended(length($1::text)::text || ':' || $1::text || $2::text,
-                                'idempotency_keys'::regclass::oid::bigint))
-  AND atomicphase_refuse_tombstoned($1, $2)
-ON CONFLICT (scope, key) DO NOTHING
-RETURNING id, ctid`
+       '', 'finished', '{}'::jsonb, 'finished', 1, now(), now(), now(), 201, '{}'::jsonb, '{}'::bytea
+WHERE atomicphase_refuse_tombstoned($1, $2)
+RETURNING id`
 	out := fmt.Sprintf("#### %d keys: key lookup (LookupKey) of a random finished key\n\n```\n", n)
 	plan, err := explain(ctx, pool, lookup, scaleScope, ExistingKey(1+rand.IntN(n)))
 	if err != nil {
 		return "", fmt.Errorf("explain lookup: %w", err)
 	}
-	out += plan + "```\n\n" + fmt.Sprintf("#### %d keys: single-phase key insert (InsertSingleKey) of a new key, rolled back\n\n```\n", n)
+	out += plan + "```\n\n" + fmt.Sprintf("#### %d keys: single-phase key insert (InsertFinishedSingleKey) of a new key, rolled back\n\n```\n", n)
 	tx, err := pool.Begin(ctx)
 	if err != nil {
 		return "", err
