@@ -143,6 +143,16 @@ SELECT CASE WHEN @must_take::boolean
                                       'idempotency_keys'::regclass::oid::bigint))
        END::boolean AS taken;
 
+-- name: KeyStored :one
+-- Whether (scope, key) has a committed row, read on its own, outside the
+-- transaction of the run that asks: a run that took the key's lock
+-- (TakeSingleKey) before its function, after losing the key once, asks
+-- whether the holder it lost to committed in the meantime. The holder's
+-- commit was visible before its lock was free, so this read, made after the
+-- lock was taken, sees its row, where the run's own snapshot, taken as the
+-- lock was, may not.
+SELECT EXISTS (SELECT FROM idempotency_keys WHERE scope = @scope AND key = @key)::boolean AS stored;
+
 -- name: InsertFinishedSingleKey :one
 -- Ends a single-phase run: inserts its key, finished, with the response, in
 -- the transaction that took it (TakeSingleKey) and holds the function's

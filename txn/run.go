@@ -157,8 +157,9 @@ var errRaced = errors.New("key inserted concurrently")
 // The key is taken (TakeSingleKey's lock) by a statement that goes out
 // with fn's first statement, so a twin that comes first costs fn's run up
 // to that statement. eager (the run lost the key to a twin already, and
-// may be waiting for it in a loop) takes it before fn runs instead, so
-// that a run that keeps losing runs nothing of fn. prepare false: fn's
+// may be waiting for it in a loop) takes it before fn runs instead, and
+// then checks that the twin did not commit meanwhile, so that a run that
+// keeps losing runs nothing of fn. prepare false: fn's
 // first statement is not prepared by the run (see errRunAgain).
 func (r *Runner) runSingle(ctx context.Context, req request, id int64, eager, prepare bool, fn Func) (resp Response, stored bool, err error) {
 	// The connection is acquired explicitly so that the last statement and
@@ -194,6 +195,16 @@ func (r *Runner) runSingle(ctx context.Context, req request, id int64, eager, pr
 	if eager {
 		if err := tx.start(ctx); err != nil {
 			return Response{}, false, err
+		}
+		// The lock was free: the holder this call lost to may have
+		// committed since the lookup, unseen by this transaction's
+		// snapshot. Then fn must not run: the call replays.
+		stored, err := r.q.KeyStored(ctx, db.KeyStoredParams{Scope: req.key.Scope, Key: req.key.Value})
+		switch {
+		case err != nil:
+			return Response{}, false, fmt.Errorf("look up key: %w", err)
+		case stored:
+			return Response{}, false, errRaced
 		}
 	}
 	utx := newUserTx(tx)

@@ -496,6 +496,29 @@ func (q *Queries) InsertKey(ctx context.Context, arg InsertKeyParams) (InsertKey
 	return i, err
 }
 
+const keyStored = `-- name: KeyStored :one
+SELECT EXISTS (SELECT FROM idempotency_keys WHERE scope = $1 AND key = $2)::boolean AS stored
+`
+
+type KeyStoredParams struct {
+	Scope string
+	Key   string
+}
+
+// Whether (scope, key) has a committed row, read on its own, outside the
+// transaction of the run that asks: a run that took the key's lock
+// (TakeSingleKey) before its function, after losing the key once, asks
+// whether the holder it lost to committed in the meantime. The holder's
+// commit was visible before its lock was free, so this read, made after the
+// lock was taken, sees its row, where the run's own snapshot, taken as the
+// lock was, may not.
+func (q *Queries) KeyStored(ctx context.Context, arg KeyStoredParams) (bool, error) {
+	row := q.db.QueryRow(ctx, keyStored, arg.Scope, arg.Key)
+	var stored bool
+	err := row.Scan(&stored)
+	return stored, err
+}
+
 const locateHeldKey = `-- name: LocateHeldKey :one
 SELECT ctid, recovery_point FROM idempotency_keys
 WHERE id = $1 AND lease_token = $2 AND status = 'running'
