@@ -112,6 +112,13 @@ func (r *Runner) run(ctx context.Context, req request, fn Func) (Response, error
 		}
 
 		resp, stored, err := r.runSingle(ctx, req, row.NewID, contended, prepare, fn)
+		if unsure, ok := errors.AsType[errUnsure](err); ok {
+			if r.keyStored(ctx, req) {
+				raced, contended = true, true // a twin committed the key: the next lookup replays it
+				continue
+			}
+			err = unsure.err
+		}
 		switch {
 		case err == nil && !stored:
 			r.logNotStored(ctx, req, "", resp.Status)
@@ -157,9 +164,9 @@ var errRaced = errors.New("key inserted concurrently")
 // The key is taken (TakeSingleKey's lock) by a statement that goes out
 // with fn's first statement, so a twin that comes first costs fn's run up
 // to that statement. eager (the run lost the key to a twin already, and
-// may be waiting for it in a loop) takes it before fn runs instead, and
-// then checks that the twin did not commit meanwhile, so that a run that
-// keeps losing runs nothing of fn. prepare false: fn's
+// may be waiting for it in a loop) takes it before fn runs instead, so
+// that a run that keeps losing runs nothing of fn. An error of fn's, or a
+// response not stored, comes back as errUnsure. prepare false: fn's
 // first statement is not prepared by the run (see errRunAgain).
 func (r *Runner) runSingle(ctx context.Context, req request, id int64, eager, prepare bool, fn Func) (resp Response, stored bool, err error) {
 	// The connection is acquired explicitly so that the last statement and
@@ -196,16 +203,6 @@ func (r *Runner) runSingle(ctx context.Context, req request, id int64, eager, pr
 		if err := tx.start(ctx); err != nil {
 			return Response{}, false, err
 		}
-		// The lock was free: the holder this call lost to may have
-		// committed since the lookup, unseen by this transaction's
-		// snapshot. Then fn must not run: the call replays.
-		stored, err := r.q.KeyStored(ctx, db.KeyStoredParams{Scope: req.key.Scope, Key: req.key.Value})
-		switch {
-		case err != nil:
-			return Response{}, false, fmt.Errorf("look up key: %w", err)
-		case stored:
-			return Response{}, false, errRaced
-		}
 	}
 	utx := newUserTx(tx)
 	resp, err = guard(func() (Response, error) { return fn(phasectx.WithKeyID(ctx, id), utx) })
@@ -220,17 +217,17 @@ func (r *Runner) runSingle(ctx context.Context, req request, id int64, eager, pr
 		return Response{}, false, rerr // whatever fn made of it
 	}
 	if err != nil {
-		return Response{}, false, err
+		return Response{}, false, errUnsure{err}
 	}
 	if err := resp.validate(); err != nil {
 		return Response{}, false, err
 	}
 	if err := utx.usable(); err != nil {
-		return Response{}, false, err
+		return Response{}, false, errUnsure{err}
 	}
 	if !r.cfg.Store(resp.Status) {
 		resp.Replayed = false
-		return resp, false, nil // rolled back by the deferred rollback
+		return resp, false, errUnsure{} // rolled back by the deferred rollback
 	}
 	header, err := resp.encodedHeader()
 	if err != nil {
@@ -258,6 +255,33 @@ func (r *Runner) runSingle(ctx context.Context, req request, id int64, eager, pr
 	}
 	resp.Replayed = false
 	return resp, true, nil
+}
+
+// errUnsure wraps what fn made of a run (its error, or nil for a response
+// that is not stored) that may have lost its key to a twin without knowing
+// it: a run takes the key with fn's first statement, and finds the lock
+// free when a twin committed just after this call's lookup. fn then ran on
+// a snapshot without the twin's writes, and what it made of them (a unique
+// violation, a rejection) is not the answer a retry would get. Runner.run
+// asks whether the key is stored, once the run's connection is back in the
+// pool (a pool of one connection must not wait on itself): once the run
+// holds the lock no other can commit the key, so a read on its own tells.
+type errUnsure struct{ err error }
+
+func (e errUnsure) Error() string {
+	if e.err == nil {
+		return "response not stored"
+	}
+	return e.err.Error()
+}
+
+func (e errUnsure) Unwrap() error { return e.err }
+
+// keyStored reports whether (scope, key) has a committed row; false if the
+// read fails (the caller then answers with what it had).
+func (r *Runner) keyStored(ctx context.Context, req request) bool {
+	stored, err := r.q.KeyStored(ctx, db.KeyStoredParams{Scope: req.key.Scope, Key: req.key.Value})
+	return err == nil && stored
 }
 
 // commitWith sends stmt's statement, then COMMIT, in one round trip. stmt

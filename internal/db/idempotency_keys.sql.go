@@ -505,13 +505,12 @@ type KeyStoredParams struct {
 	Key   string
 }
 
-// Whether (scope, key) has a committed row, read on its own, outside the
-// transaction of the run that asks: a run that took the key's lock
-// (TakeSingleKey) before its function, after losing the key once, asks
-// whether the holder it lost to committed in the meantime. The holder's
-// commit was visible before its lock was free, so this read, made after the
-// lock was taken, sees its row, where the run's own snapshot, taken as the
-// lock was, may not.
+// Whether (scope, key) has a committed row, read on its own, after a
+// single-phase run whose function failed or answered with a response that
+// is not stored: that run took the key's lock (TakeSingleKey) with its
+// function's first statement, and may have found it free because a twin had
+// just committed, unseen by the run's snapshot. The twin's commit was
+// visible before its lock was free, so this read sees its row.
 func (q *Queries) KeyStored(ctx context.Context, arg KeyStoredParams) (bool, error) {
 	row := q.db.QueryRow(ctx, keyStored, arg.Scope, arg.Key)
 	var stored bool
