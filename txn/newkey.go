@@ -63,6 +63,13 @@ func (a *Attempt) insertFailed(ctx context.Context, err error) error {
 		a.raced = true
 		return errRaced
 	}
+	if pgerr.IsRetryable(err) {
+		// A key committed after the transaction's snapshot fails the
+		// insert with a serialization failure: the transaction runs again
+		// (Runner.retryTx), and its insert goes first, so that the phase
+		// does not run again only to lose the key once more.
+		a.eager = true
+	}
 	return fmt.Errorf("insert key: %w", a.r.keyExpired(ctx, a.req, a.workflow, err))
 }
 
