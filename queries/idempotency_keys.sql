@@ -133,7 +133,10 @@ WHERE CASE WHEN ins.ctid IS NOT NULL THEN true
 -- wait on the rows of the attempt that holds the key. Sent on its own (a
 -- run that lost the key before tries again), it returns false instead,
 -- which leaves no error in the server's log. The lock is volatile, so no
--- plan folds the division ahead of it.
+-- plan folds the division ahead of it. xid is the transaction's id (the run
+-- writes its key row, so it would be given one anyway): KeyOutcome asks,
+-- after a run that did not end as the library ended it, whether it
+-- committed.
 SELECT CASE WHEN @must_take::boolean
             THEN 1 / pg_try_advisory_xact_lock(
                      hashtextextended(length(@scope::text)::text || ':' || @scope::text || @key::text,
@@ -141,16 +144,21 @@ SELECT CASE WHEN @must_take::boolean
             ELSE pg_try_advisory_xact_lock(
                      hashtextextended(length(@scope::text)::text || ':' || @scope::text || @key::text,
                                       'idempotency_keys'::regclass::oid::bigint))
-       END::boolean AS taken;
+       END::boolean AS taken,
+       pg_current_xact_id()::text::bigint AS xid;
 
--- name: KeyStored :one
--- Whether (scope, key) has a committed row, read on its own, after a
--- single-phase run whose function failed or answered with a response that
--- is not stored: that run took the key's lock (TakeSingleKey) with its
--- function's first statement, and may have found it free because a twin had
--- just committed, unseen by the run's snapshot. The twin's commit was
--- visible before its lock was free, so this read sees its row.
-SELECT EXISTS (SELECT FROM idempotency_keys WHERE scope = @scope AND key = @key)::boolean AS stored;
+-- name: KeyOutcome :one
+-- What a single-phase run that did not end as the library ends it left
+-- behind, read on its own once its connection is back: whether (scope, key)
+-- has a committed row, and whether the run's transaction (its id,
+-- tx_id, from TakeSingleKey; 0 if it never began) committed. A run whose function
+-- failed or answered with a response that is not stored may have taken the
+-- key's lock just after a twin committed, unseen by its snapshot: the
+-- twin's commit was visible before its lock was free, so stored tells. A
+-- transaction that committed without the key row was committed by the
+-- function itself (COMMIT sent as SQL, seen or not): its key must be failed.
+SELECT EXISTS (SELECT FROM idempotency_keys WHERE scope = @scope AND key = @key)::boolean AS stored,
+       coalesce(pg_xact_status(nullif(@tx_id::bigint, 0)::text::xid8) = 'committed', false)::boolean AS committed;
 
 -- name: InsertFinishedSingleKey :one
 -- Ends a single-phase run: inserts its key, finished, with the response, in

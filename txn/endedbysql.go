@@ -27,12 +27,11 @@ func (r *Runner) failEndedKey(ctx context.Context, req request, workflow string,
 	r.logEndedKey(ctx, req, workflow, n, err)
 }
 
-// failEndedSingleKey is failEndedKey for a single-phase run, whose key is
-// inserted only with its response: it stores the key, failed, under the id
-// the run was allotted. Whether the function's statement committed or
-// rolled back cannot be told apart here, so the key is failed either way.
-// Until it is, the key is free: a twin that takes it in that moment runs
-// the operation again (the window is this one statement).
+// failEndedSingleKey is failEndedKey for a single-phase run whose
+// transaction committed without the library (see Runner.settleUnsure):
+// the key is inserted only with its response, so it stores the key,
+// failed, under the id the run was allotted. Until it does, the key is
+// free: a twin that takes it in that moment runs the operation again.
 func (r *Runner) failEndedSingleKey(ctx context.Context, req request, id int64) {
 	fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.ReleaseTimeout)
 	defer cancel()

@@ -637,3 +637,70 @@ func TestFirstPhaseEncodeErrorThenWriteAndNoStatementTwin(t *testing.T) {
 		})
 	}
 }
+
+// A Run whose function commits through SQL has its key stored failed even
+// on a pool of one connection: the key is failed once the run's connection
+// is back in the pool, not while the run still holds it (which waited for
+// Config.ReleaseTimeout, failed, and left the writes committed without a
+// key, so the retry wrote them again).
+func TestFunctionCommitOnAPoolOfOneConnectionFailsTheKey(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	pool := e.NewPool(t, func(c *pgxpool.Config) { c.MaxConns = 1 })
+	r, err := txn.New(pool, &txn.Config{ReleaseTimeout: time.Second})
+	require.NoError(t, err)
+	var calls atomic.Int64
+	fn := func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+		calls.Add(1)
+		if _, err := tx.Exec(ctx, `INSERT INTO charges (ref, amount) VALUES ('c1', 1)`); err != nil {
+			return txn.Response{}, err
+		}
+		if _, err := tx.Exec(ctx, `COMMIT`); err != nil {
+			return txn.Response{}, err
+		}
+		return txn.JSON(201, "c1")
+	}
+	start := time.Now()
+	_, err = r.Run(ctx, chargeKey("k1", 1), fn)
+	require.ErrorIs(t, err, txn.ErrInvalidUse)
+	require.Less(t, time.Since(start), time.Second, "no wait for the pool's only connection")
+	status, reason := keyState(t, e, "acct_1", "k1")
+	require.Equal(t, "failed", status)
+	require.Equal(t, "ended_by_function", reason)
+	resp, err := r.Run(ctx, chargeKey("k1", 1), fn)
+	require.NoError(t, err)
+	require.True(t, resp.Replayed)
+	require.Equal(t, 500, resp.Status)
+	require.Equal(t, int64(1), calls.Load())
+	require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM charges`))
+}
+
+// A COMMIT the library does not see (in a batch the function sends and
+// never reads, so the connection is still busy when it returns) is found
+// by the transaction's status: the key is failed, and the write is not
+// made again by a retry.
+func TestFunctionCommitInAnUnreadBatchFailsTheKey(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	var calls atomic.Int64
+	fn := func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+		calls.Add(1)
+		b := &pgx.Batch{}
+		b.Queue(`INSERT INTO charges (ref, amount) VALUES ('c1', 1)`)
+		b.Queue(`COMMIT`)
+		_ = tx.SendBatch(ctx, b) // never read nor closed
+		time.Sleep(100 * time.Millisecond)
+		return txn.JSON(201, "c1")
+	}
+	_, err := e.runner.Run(ctx, chargeKey("k1", 1), fn)
+	require.ErrorIs(t, err, txn.ErrInvalidUse)
+	status, _ := keyState(t, e, "acct_1", "k1")
+	require.Equal(t, "failed", status)
+	resp, err := e.runner.Run(ctx, chargeKey("k1", 1), fn)
+	require.NoError(t, err)
+	require.True(t, resp.Replayed)
+	require.Equal(t, int64(1), calls.Load())
+	require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM charges`))
+}

@@ -1,6 +1,7 @@
 package txn
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -47,7 +48,8 @@ type Func func(ctx context.Context, tx pgx.Tx) (Response, error)
 // one read and runs nothing. A key held by a concurrent attempt gives
 // ErrKeyInUse (unless Config.WaitWhenInUse), a key stored for a different
 // request ErrKeyReused. If fn returns an error, nothing is stored and the
-// error is returned: a retry runs fn again. A response that Config.Store
+// error is returned (a retry runs fn again), unless a twin stored the key
+// meanwhile: then its response is replayed, as a retry would get it. A response that Config.Store
 // does not store (by default a client-correctable 4xx such as 400 or 422)
 // is returned with fn's writes rolled back and no key left behind.
 func (r *Runner) Run(ctx context.Context, key Key, fn Func) (Response, error) {
@@ -113,11 +115,14 @@ func (r *Runner) run(ctx context.Context, req request, fn Func) (Response, error
 
 		resp, stored, err := r.runSingle(ctx, req, row.NewID, contended, prepare, fn)
 		if unsure, ok := errors.AsType[errUnsure](err); ok {
-			if r.keyStored(ctx, req) {
+			if r.settleUnsure(ctx, req, row.NewID, &unsure) {
 				raced, contended = true, true // a twin committed the key: the next lookup replays it
 				continue
 			}
 			err = unsure.err
+			if unsure.committed {
+				err = cmp.Or(err, errCommittedByFunction)
+			}
 		}
 		switch {
 		case err == nil && !stored:
@@ -179,12 +184,14 @@ func (r *Runner) runSingle(ctx context.Context, req request, id int64, eager, pr
 	// BEGIN and the key's lock go out with fn's first statement, in one
 	// round trip (see lazyTx).
 	take := db.TakeSingleKeyParams{MustTake: !eager, Scope: req.key.Scope, Key: req.key.Value}
+	var xid int64 // the transaction's id, once the key's lock is taken
 	tx := newLazyTx(ctx, conn.Conn(), pgx.TxOptions{IsoLevel: pgx.Serializable}, opener{
 		queue: func(b *pgx.Batch) { _, _ = db.New(pgbatch.Queue{B: b}).TakeSingleKey(ctx, take) },
 		read: func(br pgx.BatchResults) error {
-			taken, err := db.New(pgbatch.Results{BR: br}).TakeSingleKey(ctx, take)
+			row, err := db.New(pgbatch.Results{BR: br}).TakeSingleKey(ctx, take)
+			xid = row.Xid
 			switch {
-			case err == nil && !taken, pgerr.Code(err) == pgerr.DivisionByZero:
+			case err == nil && !row.Taken, pgerr.Code(err) == pgerr.DivisionByZero:
 				return errRaced // held by an uncommitted attempt
 			case err != nil:
 				return fmt.Errorf("take key: %w", err)
@@ -208,8 +215,9 @@ func (r *Runner) runSingle(ctx context.Context, req request, id int64, eager, pr
 	resp, err = guard(func() (Response, error) { return fn(phasectx.WithKeyID(ctx, id), utx) })
 	if serr := utx.settle(ctx); serr != nil {
 		if errors.Is(serr, errEndedBySQL) {
-			// What fn wrote before may have committed, without the key.
-			r.failEndedSingleKey(ctx, req, id)
+			// What fn wrote before may have committed, without the key:
+			// Runner.run asks, once this connection is back.
+			return Response{}, false, errUnsure{err: serr, xid: xid}
 		}
 		return Response{}, false, serr
 	}
@@ -217,17 +225,17 @@ func (r *Runner) runSingle(ctx context.Context, req request, id int64, eager, pr
 		return Response{}, false, rerr // whatever fn made of it
 	}
 	if err != nil {
-		return Response{}, false, errUnsure{err}
+		return Response{}, false, errUnsure{err: err, xid: xid}
 	}
 	if err := resp.validate(); err != nil {
-		return Response{}, false, err
+		return Response{}, false, errUnsure{err: err, xid: xid}
 	}
 	if err := utx.usable(); err != nil {
-		return Response{}, false, errUnsure{err}
+		return Response{}, false, errUnsure{err: err, xid: xid}
 	}
 	if !r.cfg.Store(resp.Status) {
 		resp.Replayed = false
-		return resp, false, errUnsure{} // rolled back by the deferred rollback
+		return resp, false, errUnsure{xid: xid} // rolled back by the deferred rollback
 	}
 	header, err := resp.encodedHeader()
 	if err != nil {
@@ -258,15 +266,16 @@ func (r *Runner) runSingle(ctx context.Context, req request, id int64, eager, pr
 }
 
 // errUnsure wraps what fn made of a run (its error, or nil for a response
-// that is not stored) that may have lost its key to a twin without knowing
-// it: a run takes the key with fn's first statement, and finds the lock
-// free when a twin committed just after this call's lookup. fn then ran on
-// a snapshot without the twin's writes, and what it made of them (a unique
-// violation, a rejection) is not the answer a retry would get. Runner.run
-// asks whether the key is stored, once the run's connection is back in the
-// pool (a pool of one connection must not wait on itself): once the run
-// holds the lock no other can commit the key, so a read on its own tells.
-type errUnsure struct{ err error }
+// that is not stored) that may not mean what it says, with the run's
+// transaction id (0 if none began); Runner.run settles it (settleUnsure)
+// once the run's connection is back in the pool, so that a pool of one
+// connection does not wait on itself.
+type errUnsure struct {
+	err error
+	xid int64
+	// committed is set by settleUnsure: the transaction committed, by fn.
+	committed bool
+}
 
 func (e errUnsure) Error() string {
 	if e.err == nil {
@@ -277,11 +286,49 @@ func (e errUnsure) Error() string {
 
 func (e errUnsure) Unwrap() error { return e.err }
 
-// keyStored reports whether (scope, key) has a committed row; false if the
-// read fails (the caller then answers with what it had).
-func (r *Runner) keyStored(ctx context.Context, req request) bool {
-	stored, err := r.q.KeyStored(ctx, db.KeyStoredParams{Scope: req.key.Scope, Key: req.key.Value})
-	return err == nil && stored
+// errCommittedByFunction: the run's transaction committed although the
+// library never committed it, so fn did (a COMMIT the library did not see,
+// e.g. in a batch fn left unread).
+var errCommittedByFunction = fmt.Errorf("%w: the function's transaction committed without the library (COMMIT sent as SQL)", ErrInvalidUse)
+
+// settleUnsure reads what a run that did not end as the library ends it
+// left behind (KeyOutcome), and reports whether the call should look the
+// key up again and replay it. Two things can make fn's outcome misleading:
+//
+//   - The run takes the key with fn's first statement, and finds the lock
+//     free when a twin committed just after this call's lookup. fn then ran
+//     on a snapshot without the twin's writes, and what it made of them (a
+//     unique violation, a rejection) is not the answer a retry would get.
+//     Once the run held the lock no other could commit the key, so a
+//     committed row is the twin's: replay it.
+//   - fn sent COMMIT as SQL (seen by userTx.watch, or unseen: in a batch it
+//     left unread, in a multi-statement string). Its writes then committed
+//     without the key: the key is stored failed (failEndedSingleKey), so
+//     that no retry runs the operation again, and u.committed is set. A
+//     transaction that did not commit (a ROLLBACK sent as SQL) leaves
+//     nothing to fail, and a retry runs the operation as new.
+func (r *Runner) settleUnsure(ctx context.Context, req request, id int64, u *errUnsure) bool {
+	out, err := r.q.KeyOutcome(ctx, db.KeyOutcomeParams{Scope: req.key.Scope, Key: req.key.Value, TxID: u.xid})
+	switch {
+	case err != nil:
+		if errors.Is(u.err, errEndedBySQL) {
+			r.logEndedKey(ctx, req, "", 0, err)
+		}
+		return false
+	case out.Committed && out.Stored:
+		// fn committed, and a twin took the key after that COMMIT freed it.
+		u.committed = true
+		r.log.ErrorContext(ctx, "the operation's code committed its transaction through SQL, and a concurrent call "+
+			"stored the key before it could be failed: the operation may have run twice",
+			"scope", req.key.Scope, "key", req.key.Value)
+		return false
+	case out.Committed:
+		u.committed = true
+		r.failEndedSingleKey(ctx, req, id)
+		return false
+	default:
+		return out.Stored
+	}
 }
 
 // commitWith sends stmt's statement, then COMMIT, in one round trip. stmt

@@ -66,15 +66,14 @@ func TestUserCodeCannotCommitOrRollBackItsTransaction(t *testing.T) {
 	require.Equal(t, 3, e.Count(t, `SELECT count(*) FROM charges`))
 	require.Zero(t, e.Count(t, `SELECT count(*) FROM charges WHERE ref = 'rolled-back'`))
 
-	// Ending the transaction through SQL is refused after the fact. A Run's
-	// key is inserted only with its response, so a ROLLBACK cannot be told
-	// from a COMMIT by the key row: the key is stored failed either way.
+	// Ending the transaction through SQL is refused after the fact, and
+	// nothing is stored for the run: its transaction did not commit.
 	_, err = e.runner.Run(ctx, chargeKey("sql-commit", 1), func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
 		_, err := tx.Exec(ctx, `ROLLBACK`)
 		return txn.Response{Status: 201}, err
 	})
 	require.ErrorIs(t, err, txn.ErrInvalidUse)
-	require.Equal(t, "failed", readKey(t, e.Pool, "acct_1", "sql-commit").Status)
+	require.Zero(t, e.Count(t, `SELECT count(*) FROM idempotency_keys WHERE key = 'sql-commit'`))
 }
 
 // injectSerializationFailure raises a real 40001 from PostgreSQL the first

@@ -496,26 +496,36 @@ func (q *Queries) InsertKey(ctx context.Context, arg InsertKeyParams) (InsertKey
 	return i, err
 }
 
-const keyStored = `-- name: KeyStored :one
-SELECT EXISTS (SELECT FROM idempotency_keys WHERE scope = $1 AND key = $2)::boolean AS stored
+const keyOutcome = `-- name: KeyOutcome :one
+SELECT EXISTS (SELECT FROM idempotency_keys WHERE scope = $1 AND key = $2)::boolean AS stored,
+       coalesce(pg_xact_status(nullif($3::bigint, 0)::text::xid8) = 'committed', false)::boolean AS committed
 `
 
-type KeyStoredParams struct {
+type KeyOutcomeParams struct {
 	Scope string
 	Key   string
+	TxID  int64
 }
 
-// Whether (scope, key) has a committed row, read on its own, after a
-// single-phase run whose function failed or answered with a response that
-// is not stored: that run took the key's lock (TakeSingleKey) with its
-// function's first statement, and may have found it free because a twin had
-// just committed, unseen by the run's snapshot. The twin's commit was
-// visible before its lock was free, so this read sees its row.
-func (q *Queries) KeyStored(ctx context.Context, arg KeyStoredParams) (bool, error) {
-	row := q.db.QueryRow(ctx, keyStored, arg.Scope, arg.Key)
-	var stored bool
-	err := row.Scan(&stored)
-	return stored, err
+type KeyOutcomeRow struct {
+	Stored    bool
+	Committed bool
+}
+
+// What a single-phase run that did not end as the library ends it left
+// behind, read on its own once its connection is back: whether (scope, key)
+// has a committed row, and whether the run's transaction (its id,
+// tx_id, from TakeSingleKey; 0 if it never began) committed. A run whose function
+// failed or answered with a response that is not stored may have taken the
+// key's lock just after a twin committed, unseen by its snapshot: the
+// twin's commit was visible before its lock was free, so stored tells. A
+// transaction that committed without the key row was committed by the
+// function itself (COMMIT sent as SQL, seen or not): its key must be failed.
+func (q *Queries) KeyOutcome(ctx context.Context, arg KeyOutcomeParams) (KeyOutcomeRow, error) {
+	row := q.db.QueryRow(ctx, keyOutcome, arg.Scope, arg.Key, arg.TxID)
+	var i KeyOutcomeRow
+	err := row.Scan(&i.Stored, &i.Committed)
+	return i, err
 }
 
 const locateHeldKey = `-- name: LocateHeldKey :one
@@ -899,13 +909,19 @@ SELECT CASE WHEN $1::boolean
             ELSE pg_try_advisory_xact_lock(
                      hashtextextended(length($2::text)::text || ':' || $2::text || $3::text,
                                       'idempotency_keys'::regclass::oid::bigint))
-       END::boolean AS taken
+       END::boolean AS taken,
+       pg_current_xact_id()::text::bigint AS xid
 `
 
 type TakeSingleKeyParams struct {
 	MustTake bool
 	Scope    string
 	Key      string
+}
+
+type TakeSingleKeyRow struct {
+	Taken bool
+	Xid   int64
 }
 
 // Takes a single-phase run's key for its transaction: the transaction-scoped
@@ -920,10 +936,13 @@ type TakeSingleKeyParams struct {
 // wait on the rows of the attempt that holds the key. Sent on its own (a
 // run that lost the key before tries again), it returns false instead,
 // which leaves no error in the server's log. The lock is volatile, so no
-// plan folds the division ahead of it.
-func (q *Queries) TakeSingleKey(ctx context.Context, arg TakeSingleKeyParams) (bool, error) {
+// plan folds the division ahead of it. xid is the transaction's id (the run
+// writes its key row, so it would be given one anyway): KeyOutcome asks,
+// after a run that did not end as the library ended it, whether it
+// committed.
+func (q *Queries) TakeSingleKey(ctx context.Context, arg TakeSingleKeyParams) (TakeSingleKeyRow, error) {
 	row := q.db.QueryRow(ctx, takeSingleKey, arg.MustTake, arg.Scope, arg.Key)
-	var taken bool
-	err := row.Scan(&taken)
-	return taken, err
+	var i TakeSingleKeyRow
+	err := row.Scan(&i.Taken, &i.Xid)
+	return i, err
 }
