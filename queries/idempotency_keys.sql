@@ -136,7 +136,8 @@ WHERE CASE WHEN ins.ctid IS NOT NULL THEN true
 -- plan folds the division ahead of it. xid is the transaction's id (the run
 -- writes its key row, so it would be given one anyway): KeyOutcome asks,
 -- after a run that did not end as the library ended it, whether it
--- committed.
+-- committed. server_started tells the server's lifetime: after a restart or
+-- a failover the same xid may name another transaction.
 SELECT CASE WHEN @must_take::boolean
             THEN 1 / pg_try_advisory_xact_lock(
                      hashtextextended(length(@scope::text)::text || ':' || @scope::text || @key::text,
@@ -145,20 +146,26 @@ SELECT CASE WHEN @must_take::boolean
                      hashtextextended(length(@scope::text)::text || ':' || @scope::text || @key::text,
                                       'idempotency_keys'::regclass::oid::bigint))
        END::boolean AS taken,
-       pg_current_xact_id()::text::bigint AS xid;
+       pg_current_xact_id()::text::bigint AS xid,
+       pg_postmaster_start_time()::timestamptz AS server_started;
 
 -- name: KeyOutcome :one
 -- What a single-phase run that did not end as the library ends it left
 -- behind, read on its own once its connection is back: whether (scope, key)
--- has a committed row, and whether the run's transaction (its id,
--- tx_id, from TakeSingleKey; 0 if it never began) committed. A run whose function
+-- has a committed row, and the status of the run's transaction (tx_id and
+-- server_started from TakeSingleKey): 'committed', 'aborted', 'in progress'
+-- (it still holds the key's lock: LockKey waits for it), or 'unknown' when it
+-- cannot be told (no transaction began, or the server is not the one that
+-- ran it: restarted, or another after a failover). A run whose function
 -- failed or answered with a response that is not stored may have taken the
 -- key's lock just after a twin committed, unseen by its snapshot: the
 -- twin's commit was visible before its lock was free, so stored tells. A
--- transaction that committed without the key row was committed by the
+-- transaction that committed without the library was committed by the
 -- function itself (COMMIT sent as SQL, seen or not): its key must be failed.
 SELECT EXISTS (SELECT FROM idempotency_keys WHERE scope = @scope AND key = @key)::boolean AS stored,
-       coalesce(pg_xact_status(nullif(@tx_id::bigint, 0)::text::xid8) = 'committed', false)::boolean AS committed;
+       coalesce(CASE WHEN pg_postmaster_start_time() = @server_started::timestamptz
+                     THEN pg_xact_status(nullif(@tx_id::bigint, 0)::text::xid8)
+                END, 'unknown')::text AS status;
 
 -- name: InsertFinishedSingleKey :one
 -- Ends a single-phase run: inserts its key, finished, with the response, in

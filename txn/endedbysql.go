@@ -41,6 +41,12 @@ func (r *Runner) failEndedSingleKey(ctx context.Context, req request, id int64) 
 		ResponseStatus: failure.Status, ResponseHeaders: failure.Header, ResponseBody: failure.EndedByFunctionBody(),
 		FailureReason: pgtype.Text{String: failure.ReasonEndedByFunction, Valid: true},
 	})
+	if err == nil && n == 0 {
+		r.log.ErrorContext(ctx, "the operation's code committed its transaction through SQL, and a concurrent call "+
+			"stored the key before it could be failed: the operation may have run twice",
+			"scope", req.key.Scope, "key", req.key.Value)
+		return
+	}
 	r.logEndedKey(ctx, req, "", n, err)
 }
 

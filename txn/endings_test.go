@@ -704,3 +704,63 @@ func TestFunctionCommitInAnUnreadBatchFailsTheKey(t *testing.T) {
 	require.Equal(t, int64(1), calls.Load())
 	require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM charges`))
 }
+
+// A COMMIT the function sent is found even when the caller's context ends
+// before the run is settled: the key is failed under a context of its own.
+func TestFunctionCommitFailsTheKeyAfterTheCallerHasGone(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	var calls atomic.Int64
+	fn := func(cancel context.CancelFunc) txn.Func {
+		return func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+			calls.Add(1)
+			if _, err := tx.Exec(ctx, `INSERT INTO charges (ref, amount) VALUES ('c1', 1)`); err != nil {
+				return txn.Response{}, err
+			}
+			_, err := tx.Exec(ctx, `COMMIT`)
+			cancel() // the client hangs up
+			return txn.Response{}, err
+		}
+	}
+	short, cancel := context.WithCancel(ctx)
+	_, err := e.runner.Run(short, chargeKey("k1", 1), fn(cancel))
+	require.Error(t, err)
+	status, reason := keyState(t, e, "acct_1", "k1")
+	require.Equal(t, "failed", status)
+	require.Equal(t, "ended_by_function", reason)
+	resp, err := e.runner.Run(ctx, chargeKey("k1", 1), fn(func() {}))
+	require.NoError(t, err)
+	require.True(t, resp.Replayed)
+	require.Equal(t, int64(1), calls.Load())
+	require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM charges`))
+}
+
+// A COMMIT still queued behind a slow statement when the function returns
+// (its batch unread) commits after the run gave up the connection: the
+// run waits for the key's lock, which that transaction holds until it
+// ends, and then fails the key.
+func TestFunctionCommitQueuedBehindASlowStatementFailsTheKey(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	var calls atomic.Int64
+	fn := func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+		calls.Add(1)
+		b := &pgx.Batch{}
+		b.Queue(`INSERT INTO charges (ref, amount) VALUES ('c1', 1)`)
+		b.Queue(`SELECT pg_sleep(0.5)`)
+		b.Queue(`COMMIT`)
+		_ = tx.SendBatch(ctx, b) // never read nor closed
+		return txn.JSON(201, "c1")
+	}
+	_, err := e.runner.Run(ctx, chargeKey("k1", 1), fn)
+	require.ErrorIs(t, err, txn.ErrInvalidUse)
+	status, _ := keyState(t, e, "acct_1", "k1")
+	require.Equal(t, "failed", status)
+	resp, err := e.runner.Run(ctx, chargeKey("k1", 1), fn)
+	require.NoError(t, err)
+	require.True(t, resp.Replayed)
+	require.Equal(t, int64(1), calls.Load())
+	require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM charges`))
+}

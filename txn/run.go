@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 
@@ -184,12 +185,13 @@ func (r *Runner) runSingle(ctx context.Context, req request, id int64, eager, pr
 	// BEGIN and the key's lock go out with fn's first statement, in one
 	// round trip (see lazyTx).
 	take := db.TakeSingleKeyParams{MustTake: !eager, Scope: req.key.Scope, Key: req.key.Value}
-	var xid int64 // the transaction's id, once the key's lock is taken
+	var xid int64         // the transaction's id, once the key's lock is taken
+	var started time.Time // and the server's start, which tells whose id it is
 	tx := newLazyTx(ctx, conn.Conn(), pgx.TxOptions{IsoLevel: pgx.Serializable}, opener{
 		queue: func(b *pgx.Batch) { _, _ = db.New(pgbatch.Queue{B: b}).TakeSingleKey(ctx, take) },
 		read: func(br pgx.BatchResults) error {
 			row, err := db.New(pgbatch.Results{BR: br}).TakeSingleKey(ctx, take)
-			xid = row.Xid
+			xid, started = row.Xid, row.ServerStarted
 			switch {
 			case err == nil && !row.Taken, pgerr.Code(err) == pgerr.DivisionByZero:
 				return errRaced // held by an uncommitted attempt
@@ -217,29 +219,29 @@ func (r *Runner) runSingle(ctx context.Context, req request, id int64, eager, pr
 		if errors.Is(serr, errEndedBySQL) {
 			// What fn wrote before may have committed, without the key:
 			// Runner.run asks, once this connection is back.
-			return Response{}, false, errUnsure{err: serr, xid: xid}
+			return Response{}, false, errUnsure{err: serr, xid: xid, started: started}
 		}
 		return Response{}, false, serr
 	}
 	if rerr := utx.retry(); rerr != nil {
-		return Response{}, false, rerr // whatever fn made of it
+		return Response{}, false, errUnsure{err: rerr, xid: xid, started: started} // whatever fn made of it
 	}
 	if err != nil {
-		return Response{}, false, errUnsure{err: err, xid: xid}
+		return Response{}, false, errUnsure{err: err, xid: xid, started: started}
 	}
 	if err := resp.validate(); err != nil {
-		return Response{}, false, errUnsure{err: err, xid: xid}
+		return Response{}, false, errUnsure{err: err, xid: xid, started: started}
 	}
 	if err := utx.usable(); err != nil {
-		return Response{}, false, errUnsure{err: err, xid: xid}
+		return Response{}, false, errUnsure{err: err, xid: xid, started: started}
 	}
 	if !r.cfg.Store(resp.Status) {
 		resp.Replayed = false
-		return resp, false, errUnsure{xid: xid} // rolled back by the deferred rollback
+		return resp, false, errUnsure{xid: xid, started: started} // rolled back by the deferred rollback
 	}
 	header, err := resp.encodedHeader()
 	if err != nil {
-		return Response{}, false, err
+		return Response{}, false, errUnsure{err: err, xid: xid, started: started}
 	}
 	var reusedExpired bool
 	err = commitWith(ctx, tx, func(q *db.Queries) (err error) {
@@ -271,8 +273,9 @@ func (r *Runner) runSingle(ctx context.Context, req request, id int64, eager, pr
 // once the run's connection is back in the pool, so that a pool of one
 // connection does not wait on itself.
 type errUnsure struct {
-	err error
-	xid int64
+	err     error
+	xid     int64     // the transaction's id
+	started time.Time // the start of the server that gave it
 	// committed is set by settleUnsure: the transaction committed, by fn.
 	committed bool
 }
@@ -308,25 +311,52 @@ var errCommittedByFunction = fmt.Errorf("%w: the function's transaction committe
 //     transaction that did not commit (a ROLLBACK sent as SQL) leaves
 //     nothing to fail, and a retry runs the operation as new.
 func (r *Runner) settleUnsure(ctx context.Context, req request, id int64, u *errUnsure) bool {
-	out, err := r.q.KeyOutcome(ctx, db.KeyOutcomeParams{Scope: req.key.Scope, Key: req.key.Value, TxID: u.xid})
+	// Not bounded by the caller's context: a COMMIT fn sent must be found
+	// even when the caller has gone.
+	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.ReleaseTimeout)
+	defer cancel()
+	params := db.KeyOutcomeParams{Scope: req.key.Scope, Key: req.key.Value, ServerStarted: u.started, TxID: u.xid}
+	out, err := r.q.KeyOutcome(sctx, params)
+	waited := false
+	if err == nil && out.Status == "in progress" {
+		// Still running on the server (statements fn left queued behind a
+		// slow one, or a prepared transaction): it holds the key's lock
+		// until it ends. Wait for that, and look again.
+		waited = true
+		err = r.underKeyLock(ctx, req, func(lctx context.Context, q *db.Queries) error {
+			out, err = q.KeyOutcome(lctx, params)
+			return err
+		})
+	}
 	switch {
+	case err != nil && waited:
+		// Still not ended (a prepared transaction keeps its locks): it may
+		// commit, so the key is failed, to be safe.
+		u.committed = true
+		r.log.ErrorContext(ctx, "the operation's transaction did not end when the library left it: its key is failed "+
+			"in case it commits (a statement still queued, or PREPARE TRANSACTION)",
+			"scope", req.key.Scope, "key", req.key.Value, "error", err)
+		r.failEndedSingleKey(ctx, req, id)
+		return false
 	case err != nil:
 		if errors.Is(u.err, errEndedBySQL) {
 			r.logEndedKey(ctx, req, "", 0, err)
 		}
 		return false
-	case out.Committed && out.Stored:
+	case out.Status == "committed" && out.Stored:
 		// fn committed, and a twin took the key after that COMMIT freed it.
 		u.committed = true
 		r.log.ErrorContext(ctx, "the operation's code committed its transaction through SQL, and a concurrent call "+
 			"stored the key before it could be failed: the operation may have run twice",
 			"scope", req.key.Scope, "key", req.key.Value)
 		return false
-	case out.Committed:
+	case out.Status == "committed" && !out.Stored:
 		u.committed = true
 		r.failEndedSingleKey(ctx, req, id)
 		return false
 	default:
+		// Aborted, or unknown (the server that ran it is gone: what it did
+		// not replicate is lost with it).
 		return out.Stored
 	}
 }

@@ -8,6 +8,7 @@ package db
 import (
 	"context"
 	"encoding/json"
+	"time"
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5/pgtype"
@@ -498,33 +499,44 @@ func (q *Queries) InsertKey(ctx context.Context, arg InsertKeyParams) (InsertKey
 
 const keyOutcome = `-- name: KeyOutcome :one
 SELECT EXISTS (SELECT FROM idempotency_keys WHERE scope = $1 AND key = $2)::boolean AS stored,
-       coalesce(pg_xact_status(nullif($3::bigint, 0)::text::xid8) = 'committed', false)::boolean AS committed
+       coalesce(CASE WHEN pg_postmaster_start_time() = $3::timestamptz
+                     THEN pg_xact_status(nullif($4::bigint, 0)::text::xid8)
+                END, 'unknown')::text AS status
 `
 
 type KeyOutcomeParams struct {
-	Scope string
-	Key   string
-	TxID  int64
+	Scope         string
+	Key           string
+	ServerStarted time.Time
+	TxID          int64
 }
 
 type KeyOutcomeRow struct {
-	Stored    bool
-	Committed bool
+	Stored bool
+	Status string
 }
 
 // What a single-phase run that did not end as the library ends it left
 // behind, read on its own once its connection is back: whether (scope, key)
-// has a committed row, and whether the run's transaction (its id,
-// tx_id, from TakeSingleKey; 0 if it never began) committed. A run whose function
+// has a committed row, and the status of the run's transaction (tx_id and
+// server_started from TakeSingleKey): 'committed', 'aborted', 'in progress'
+// (it still holds the key's lock: LockKey waits for it), or 'unknown' when it
+// cannot be told (no transaction began, or the server is not the one that
+// ran it: restarted, or another after a failover). A run whose function
 // failed or answered with a response that is not stored may have taken the
 // key's lock just after a twin committed, unseen by its snapshot: the
 // twin's commit was visible before its lock was free, so stored tells. A
-// transaction that committed without the key row was committed by the
+// transaction that committed without the library was committed by the
 // function itself (COMMIT sent as SQL, seen or not): its key must be failed.
 func (q *Queries) KeyOutcome(ctx context.Context, arg KeyOutcomeParams) (KeyOutcomeRow, error) {
-	row := q.db.QueryRow(ctx, keyOutcome, arg.Scope, arg.Key, arg.TxID)
+	row := q.db.QueryRow(ctx, keyOutcome,
+		arg.Scope,
+		arg.Key,
+		arg.ServerStarted,
+		arg.TxID,
+	)
 	var i KeyOutcomeRow
-	err := row.Scan(&i.Stored, &i.Committed)
+	err := row.Scan(&i.Stored, &i.Status)
 	return i, err
 }
 
@@ -910,7 +922,8 @@ SELECT CASE WHEN $1::boolean
                      hashtextextended(length($2::text)::text || ':' || $2::text || $3::text,
                                       'idempotency_keys'::regclass::oid::bigint))
        END::boolean AS taken,
-       pg_current_xact_id()::text::bigint AS xid
+       pg_current_xact_id()::text::bigint AS xid,
+       pg_postmaster_start_time()::timestamptz AS server_started
 `
 
 type TakeSingleKeyParams struct {
@@ -920,8 +933,9 @@ type TakeSingleKeyParams struct {
 }
 
 type TakeSingleKeyRow struct {
-	Taken bool
-	Xid   int64
+	Taken         bool
+	Xid           int64
+	ServerStarted time.Time
 }
 
 // Takes a single-phase run's key for its transaction: the transaction-scoped
@@ -939,10 +953,11 @@ type TakeSingleKeyRow struct {
 // plan folds the division ahead of it. xid is the transaction's id (the run
 // writes its key row, so it would be given one anyway): KeyOutcome asks,
 // after a run that did not end as the library ended it, whether it
-// committed.
+// committed. server_started tells the server's lifetime: after a restart or
+// a failover the same xid may name another transaction.
 func (q *Queries) TakeSingleKey(ctx context.Context, arg TakeSingleKeyParams) (TakeSingleKeyRow, error) {
 	row := q.db.QueryRow(ctx, takeSingleKey, arg.MustTake, arg.Scope, arg.Key)
 	var i TakeSingleKeyRow
-	err := row.Scan(&i.Taken, &i.Xid)
+	err := row.Scan(&i.Taken, &i.Xid, &i.ServerStarted)
 	return i, err
 }
