@@ -329,6 +329,10 @@ func (r *Runner) settleUnsure(ctx context.Context, req request, id int64, u *err
 		})
 	}
 	switch {
+	case err != nil && waited && pgerr.IsConnection(u.err):
+		// The run lost its connection: the server has yet to notice, and
+		// nothing of the run's asked it to commit. The retry finds out.
+		return false
 	case err != nil && waited:
 		// Still not ended (a prepared transaction keeps its locks): it may
 		// commit, so the key is failed, to be safe.
