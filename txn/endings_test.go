@@ -638,6 +638,23 @@ func TestFirstPhaseEncodeErrorThenWriteAndNoStatementTwin(t *testing.T) {
 	}
 }
 
+// requireKeyFailedAndWrittenOnce asserts what a Run whose function
+// committed its own transaction leaves behind: its key failed
+// (ended_by_function), a retry that replays the stored 500 without running
+// the function, and the function's write made once.
+func requireKeyFailedAndWrittenOnce(t *testing.T, e *env, retry func() (txn.Response, error), calls *atomic.Int64) {
+	t.Helper()
+	status, reason := keyState(t, e, "acct_1", "k1")
+	require.Equal(t, "failed", status)
+	require.Equal(t, "ended_by_function", reason)
+	resp, err := retry()
+	require.NoError(t, err)
+	require.True(t, resp.Replayed)
+	require.Equal(t, 500, resp.Status)
+	require.Equal(t, int64(1), calls.Load())
+	require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM charges`))
+}
+
 // A Run whose function commits through SQL has its key stored failed even
 // on a pool of one connection: the key is failed once the run's connection
 // is back in the pool, not while the run still holds it (which waited for
@@ -665,15 +682,7 @@ func TestFunctionCommitOnAPoolOfOneConnectionFailsTheKey(t *testing.T) {
 	_, err = r.Run(ctx, chargeKey("k1", 1), fn)
 	require.ErrorIs(t, err, txn.ErrInvalidUse)
 	require.Less(t, time.Since(start), time.Second, "no wait for the pool's only connection")
-	status, reason := keyState(t, e, "acct_1", "k1")
-	require.Equal(t, "failed", status)
-	require.Equal(t, "ended_by_function", reason)
-	resp, err := r.Run(ctx, chargeKey("k1", 1), fn)
-	require.NoError(t, err)
-	require.True(t, resp.Replayed)
-	require.Equal(t, 500, resp.Status)
-	require.Equal(t, int64(1), calls.Load())
-	require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM charges`))
+	requireKeyFailedAndWrittenOnce(t, e, func() (txn.Response, error) { return r.Run(ctx, chargeKey("k1", 1), fn) }, &calls)
 }
 
 // A COMMIT the library does not see (in a batch the function sends and
@@ -696,13 +705,7 @@ func TestFunctionCommitInAnUnreadBatchFailsTheKey(t *testing.T) {
 	}
 	_, err := e.runner.Run(ctx, chargeKey("k1", 1), fn)
 	require.ErrorIs(t, err, txn.ErrInvalidUse)
-	status, _ := keyState(t, e, "acct_1", "k1")
-	require.Equal(t, "failed", status)
-	resp, err := e.runner.Run(ctx, chargeKey("k1", 1), fn)
-	require.NoError(t, err)
-	require.True(t, resp.Replayed)
-	require.Equal(t, int64(1), calls.Load())
-	require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM charges`))
+	requireKeyFailedAndWrittenOnce(t, e, func() (txn.Response, error) { return e.runner.Run(ctx, chargeKey("k1", 1), fn) }, &calls)
 }
 
 // A COMMIT the function sent is found even when the caller's context ends
@@ -726,14 +729,7 @@ func TestFunctionCommitFailsTheKeyAfterTheCallerHasGone(t *testing.T) {
 	short, cancel := context.WithCancel(ctx)
 	_, err := e.runner.Run(short, chargeKey("k1", 1), fn(cancel))
 	require.Error(t, err)
-	status, reason := keyState(t, e, "acct_1", "k1")
-	require.Equal(t, "failed", status)
-	require.Equal(t, "ended_by_function", reason)
-	resp, err := e.runner.Run(ctx, chargeKey("k1", 1), fn(func() {}))
-	require.NoError(t, err)
-	require.True(t, resp.Replayed)
-	require.Equal(t, int64(1), calls.Load())
-	require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM charges`))
+	requireKeyFailedAndWrittenOnce(t, e, func() (txn.Response, error) { return e.runner.Run(ctx, chargeKey("k1", 1), fn(func() {})) }, &calls)
 }
 
 // A COMMIT still queued behind a slow statement when the function returns
@@ -756,11 +752,5 @@ func TestFunctionCommitQueuedBehindASlowStatementFailsTheKey(t *testing.T) {
 	}
 	_, err := e.runner.Run(ctx, chargeKey("k1", 1), fn)
 	require.ErrorIs(t, err, txn.ErrInvalidUse)
-	status, _ := keyState(t, e, "acct_1", "k1")
-	require.Equal(t, "failed", status)
-	resp, err := e.runner.Run(ctx, chargeKey("k1", 1), fn)
-	require.NoError(t, err)
-	require.True(t, resp.Replayed)
-	require.Equal(t, int64(1), calls.Load())
-	require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM charges`))
+	requireKeyFailedAndWrittenOnce(t, e, func() (txn.Response, error) { return e.runner.Run(ctx, chargeKey("k1", 1), fn) }, &calls)
 }
