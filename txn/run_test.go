@@ -302,6 +302,8 @@ func TestKeyIsTakenWithTheFunctionsFirstStatement(t *testing.T) {
 	e := newEnv(t, nil)
 	ctx := ctxT(t)
 	entered, release := make(chan struct{}), make(chan struct{})
+	releaseFirst := sync.OnceFunc(func() { close(release) })
+	t.Cleanup(releaseFirst) // on a failed assertion too: the pool's Close waits for the first call
 	var calls, firstRan atomic.Int64
 	type result struct {
 		resp txn.Response
@@ -322,7 +324,7 @@ func TestKeyIsTakenWithTheFunctionsFirstStatement(t *testing.T) {
 	twin, err := e.runner.Run(ctx, chargeKey("k1", 500), insertCharge(&calls, "twin", 500))
 	require.NoError(t, err)
 	require.False(t, twin.Replayed)
-	close(release)
+	releaseFirst()
 	first := <-done
 	require.NoError(t, first.err)
 	require.True(t, first.resp.Replayed, "the first caller's key insert lost to the committed twin")
@@ -486,6 +488,8 @@ func TestCallThatLostToACommittedTwinReplaysWhateverItsFunctionReturned(t *testi
 				}
 			}
 			entered, release := make(chan struct{}), make(chan struct{})
+			releaseFirst := sync.OnceFunc(func() { close(release) })
+			t.Cleanup(releaseFirst) // on a failed assertion too: the pool's Close waits for the first call
 			done := make(chan error, 1)
 			var first txn.Response
 			go func() {
@@ -501,7 +505,7 @@ func TestCallThatLostToACommittedTwinReplaysWhateverItsFunctionReturned(t *testi
 			twin, err := e.runner.Run(ctx, chargeKey("k1", 1), body)
 			require.NoError(t, err)
 			require.Equal(t, 201, twin.Status)
-			close(release)
+			releaseFirst()
 			require.NoError(t, <-done)
 			require.True(t, first.Replayed, "the twin's response, replayed")
 			require.Equal(t, twin.Body, first.Body)
