@@ -42,12 +42,19 @@ func (r *Runner) failEndedSingleKey(ctx context.Context, req request, id int64) 
 		FailureReason: pgtype.Text{String: failure.ReasonEndedByFunction, Valid: true},
 	})
 	if err == nil && n == 0 {
-		r.log.ErrorContext(ctx, "the operation's code committed its transaction through SQL, and a concurrent call "+
-			"stored the key before it could be failed: the operation may have run twice",
-			"scope", req.key.Scope, "key", req.key.Value)
+		r.logRanTwice(ctx, req) // a twin stored the key first
 		return
 	}
 	r.logEndedKey(ctx, req, "", n, err)
+}
+
+// logRanTwice logs a single-phase key that a concurrent call stored after
+// the run's function committed its own transaction, before the key could
+// be failed.
+func (r *Runner) logRanTwice(ctx context.Context, req request) {
+	r.log.ErrorContext(ctx, "the operation's code committed its transaction through SQL, and a concurrent call "+
+		"stored the key before it could be failed: the operation may have run twice",
+		"scope", req.key.Scope, "key", req.key.Value)
 }
 
 // logEndedKey logs the outcome of failing an ended key: n rows failed.
