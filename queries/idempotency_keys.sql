@@ -2,7 +2,7 @@
 -- The request path's read: everything needed to replay or reject the call.
 -- lease_live is judged by the database clock. Always one row: for a missing
 -- key, id is NULL and new_id is the id the key will be inserted with
--- (InsertFinishedSingleKey takes it back), so that a run knows its key's
+-- (InsertFinishedKey takes it back), so that a run knows its key's
 -- id before the insert, which comes after the function; with reject_expired, expired tells whether the key was cleaned
 -- up, so that such a retry runs nothing. (The insert checks again, for a
 -- key cleaned up between the two.) The tombstone probe is the body of
@@ -66,28 +66,27 @@ FROM idempotency_keys
 WHERE scope = @scope AND key = @key;
 
 -- name: InsertKey :one
--- Creates a running key, taking a transaction-scoped advisory lock on
--- (scope, key) first, without waiting, so that a concurrent attempt whose
--- insert is uncommitted makes this return no row at once instead of waiting
--- on the unique index. The lock's hash is seeded with the table's oid, so
+-- Creates a running workflow key holding a lease, on its own (before a
+-- Foreign phase that comes first) or first thing in a phase's transaction
+-- (an attempt that lost the key before, or a terminal response stored
+-- without Finish): a workflow's first Atomic phase or Finish inserts its
+-- key with its commit instead (InsertKeyAtPhase, InsertFinishedKey). It
+-- takes the transaction-scoped advisory lock on (scope, key) first,
+-- without waiting, so that a concurrent attempt whose insert is
+-- uncommitted makes this return no row at once instead of waiting on the
+-- unique index. The lock's hash is seeded with the table's oid, so
 -- installations in other schemas of the same database never share a lock.
 -- ON CONFLICT's check reads the unique index with a dirty snapshot, which
--- takes no SERIALIZABLE predicate lock; in a SERIALIZABLE single-phase run,
--- a conflicting row committed after the transaction's snapshot raises a
--- serialization failure, so the run is retried (and replays) before its
--- function ever runs. A workflow key holds a lease from the start. Params
--- are stored as their canonical bytes (request_params_raw), not as jsonb.
--- A key with a live tombstone (deleted after its TTL) raises AP002 when
--- reject_expired is set (atomicphase_refuse_tombstoned, called only when
--- the probe written out here, planned with the statement, found one);
--- otherwise reused_expired says it was one. The
--- foreign-key seed is stored with the row (migration 00010): the one
--- LookupWorkflowKey read, or if NULL, computed here; so is the id it
--- allotted. When it goes out in one round trip with BEGIN and the first
--- phase's first statement (must_insert), it fails when the key is taken, as
--- TakeSingleKey does, so that the phase's statement never runs; sent on
--- its own (before a Foreign phase that comes first, or by an attempt that
--- lost an insert before), it returns no row instead.
+-- takes no SERIALIZABLE predicate lock; a conflicting row committed after
+-- the transaction's snapshot raises a serialization failure (retried: the
+-- retry's snapshot has it, and returns no row). Params are stored as their
+-- canonical bytes (request_params_raw), not as jsonb. A key with a live
+-- tombstone (deleted after its TTL) raises AP002 when reject_expired is
+-- set (atomicphase_refuse_tombstoned, called only when the probe written
+-- out here, planned with the statement, found one); otherwise
+-- reused_expired says it was one. The foreign-key seed is stored with the
+-- row (migration 00010): the one LookupWorkflowKey read, or if NULL,
+-- computed here; so is the id it allotted.
 WITH ins AS (
     INSERT INTO idempotency_keys (
         id, scope, key, fingerprint, request_method, request_path, request_params_raw,
@@ -115,19 +114,51 @@ WITH ins AS (
 )
 SELECT ins.id::bigint AS id, ins.ctid, ins.foreign_key_seed, coalesce(ins.reused_expired, false)::boolean AS reused_expired
 FROM (SELECT 1) AS one
-LEFT JOIN ins ON true
-WHERE CASE WHEN ins.ctid IS NOT NULL THEN true
-           WHEN @must_insert::boolean THEN 1 / (SELECT count(*)::integer FROM ins) = 1
-           ELSE false END;
+JOIN ins ON true;
 
--- name: TakeSingleKey :one
--- Takes a single-phase run's key for its transaction: the transaction-scoped
--- advisory lock on (scope, key) that every insert of the key takes (see
--- InsertKey), so that a concurrent attempt gets ErrKeyInUse at once.
--- Nothing is written: the row is inserted once, at the end, finished and
--- with the response (InsertFinishedSingleKey), where an insert followed by
--- an update of its row would write it twice. When it goes out in one round
--- trip with BEGIN and the function's first statement (must_take), it fails
+-- name: InsertKeyAtPhase :one
+-- Inserts a workflow's key with its first phase's commit, in the
+-- transaction that took the key's lock (TakeKeyLock) and holds the
+-- phase's writes: running, leased, at the phase's recovery point with its
+-- result (member, as CommitPhase's), so that the row is written once where
+-- an insert followed by an update of it would write it twice. The id and
+-- seed are the ones LookupWorkflowKey allotted. It goes out in one round
+-- trip with COMMIT, so it fails rather than insert nothing: a key committed
+-- since the lookup (the lock was free by then) raises a unique violation,
+-- or a serialization failure when the row is not in the transaction's
+-- snapshot, and a key whose tombstone appeared since raises AP002; the
+-- error aborts the transaction and makes the pipelined COMMIT a no-op. The
+-- lease counts from clock_timestamp(), the time of this statement.
+-- reused_expired tells that the key reuses an expired one.
+INSERT INTO idempotency_keys (
+    id, scope, key, fingerprint, request_method, request_path, request_params_raw,
+    workflow, recovery_point, phase_results, phase_results_raw, status, lease_token, leased_until,
+    attempts, created_at, last_run_at, foreign_key_seed
+)
+SELECT @id, @scope, @key, @fingerprint, @request_method, @request_path, @request_params::bytea,
+       @workflow, @phase::text, '{}'::jsonb, '{'::bytea || @member::bytea || '}'::bytea, 'running', @lease_token::uuid,
+       clock_timestamp() + make_interval(secs => @lease_seconds::float8),
+       1, now(), now(), coalesce(sqlc.narg(seed)::bigint, atomicphase_foreign_key_seed(@scope, @key))
+WHERE NOT @reject_expired::boolean
+   OR NOT EXISTS (SELECT FROM idempotency_key_tombstones t
+                  WHERE t.scope = @scope AND t.key_hash = sha256(convert_to(@key::text, 'UTF8'))
+                    AND t.expires_at > now())
+   OR atomicphase_refuse_tombstoned(@scope, @key)
+RETURNING id, ctid,
+    (NOT @reject_expired::boolean
+     AND EXISTS (SELECT FROM idempotency_key_tombstones t
+                 WHERE t.scope = @scope AND t.key_hash = sha256(convert_to(@key::text, 'UTF8'))
+                   AND t.expires_at > now()))::boolean AS reused_expired;
+
+-- name: TakeKeyLock :one
+-- Takes the key of a single-phase run, or of a workflow's first Atomic
+-- phase or Finish, for its transaction: the transaction-scoped advisory
+-- lock on (scope, key) that every insert of the key takes (see InsertKey),
+-- so that a concurrent attempt gets ErrKeyInUse at once. Nothing is
+-- written: the row is inserted once, with the commit (InsertFinishedKey,
+-- InsertKeyAtPhase), where an insert followed by an update of its row
+-- would write it twice. When it goes out in one round trip with BEGIN and
+-- the function's first statement (must_take), it fails
 -- (1/0 raises division_by_zero) when the key is held: the error aborts the
 -- transaction before the function's statement runs, which could otherwise
 -- wait on the rows of the attempt that holds the key. Sent on its own (a
@@ -150,10 +181,11 @@ SELECT CASE WHEN @must_take::boolean
        pg_postmaster_start_time()::timestamptz AS server_started;
 
 -- name: KeyOutcome :one
--- What a single-phase run that did not end as the library ends it left
--- behind, read on its own once its connection is back: whether (scope, key)
--- has a committed row, and the status of the run's transaction (tx_id and
--- server_started from TakeSingleKey): 'committed', 'aborted', 'in progress'
+-- What a single-phase run (or a workflow's first phase, which inserts its
+-- key with its commit) that did not end as the library ends it left
+-- behind, read on its own once its connection is back: whether (scope,
+-- key) has a committed row, and the status of the run's transaction (tx_id and
+-- server_started from TakeKeyLock): 'committed', 'aborted', 'in progress'
 -- (it still holds the key's lock: LockKey waits for it), or 'unknown' when it
 -- cannot be told (no transaction began, or the server is not the one that
 -- ran it: restarted, or another after a failover). A run whose function
@@ -167,23 +199,25 @@ SELECT EXISTS (SELECT FROM idempotency_keys WHERE scope = @scope AND key = @key)
                      THEN pg_xact_status(nullif(@tx_id::bigint, 0)::text::xid8)
                 END, 'unknown')::text AS status;
 
--- name: InsertFinishedSingleKey :one
--- Ends a single-phase run: inserts its key, finished, with the response, in
--- the transaction that took it (TakeSingleKey) and holds the function's
--- writes. The id is the one LookupKey allotted. It goes out in one round
--- trip with COMMIT, so it fails rather than insert nothing: a key committed
--- since the lookup (the lock was free by then) raises a unique violation,
--- or a serialization failure when the row is not in the transaction's
--- snapshot, and a key whose tombstone appeared since raises AP002; the
--- error aborts the transaction and makes the pipelined COMMIT a no-op.
--- reused_expired tells that the key reuses an expired one (ExpiredKeyAllow).
+-- name: InsertFinishedKey :one
+-- Ends a single-phase run, or a workflow whose first commit is its Finish
+-- (workflow is empty for a run): inserts its key, finished, with the
+-- response, in the transaction that took it (TakeKeyLock) and holds the
+-- function's writes. The id is the one the lookup allotted. It goes out in
+-- one round trip with COMMIT, so it fails rather than insert nothing: a key
+-- committed since the lookup (the lock was free by then) raises a unique
+-- violation, or a serialization failure when the row is not in the
+-- transaction's snapshot, and a key whose tombstone appeared since raises
+-- AP002; the error aborts the transaction and makes the pipelined COMMIT a
+-- no-op. reused_expired tells that the key reuses an expired one
+-- (ExpiredKeyAllow).
 INSERT INTO idempotency_keys (
     id, scope, key, fingerprint, request_method, request_path, request_params_raw,
     workflow, recovery_point, phase_results, status, attempts, created_at,
     last_run_at, finished_at, response_status, response_headers, response_body
 )
 SELECT @id, @scope, @key, @fingerprint, @request_method, @request_path, @request_params::bytea,
-       '', 'finished', '{}'::jsonb, 'finished', 1, now(), now(), now(),
+       @workflow, 'finished', '{}'::jsonb, 'finished', 1, now(), now(), now(),
        @response_status::integer, sqlc.arg(response_headers)::text::jsonb, @response_body::bytea
 WHERE NOT @reject_expired::boolean
    OR NOT EXISTS (SELECT FROM idempotency_key_tombstones t
@@ -195,18 +229,20 @@ RETURNING (NOT @reject_expired::boolean
                        WHERE t.scope = @scope AND t.key_hash = sha256(convert_to(@key::text, 'UTF8'))
                          AND t.expires_at > now()))::boolean AS reused_expired;
 
--- name: InsertFailedSingleKey :execrows
--- Stores the key of a single-phase run whose function ended its transaction
--- through SQL (failure.ReasonEndedByFunction), failed: what the function
--- wrote before may have committed without the key, so the operation must
--- not run again. No row when a twin stored the key first.
+-- name: InsertFailedKey :execrows
+-- Stores, failed, the key of a single-phase run, or of a workflow's first
+-- phase, whose function ended its transaction through SQL
+-- (failure.ReasonEndedByFunction): the key row was to be inserted with the
+-- transaction's commit, and what the function wrote before may have
+-- committed without it, so the operation must not run again. workflow is
+-- empty for a single-phase run. No row when a twin stored the key first.
 INSERT INTO idempotency_keys (
     id, scope, key, fingerprint, request_method, request_path, request_params_raw,
     workflow, recovery_point, phase_results, status, attempts, created_at,
     last_run_at, finished_at, response_status, response_headers, response_body, failure_reason
 )
 VALUES (@id, @scope, @key, @fingerprint, @request_method, @request_path, @request_params::bytea,
-        '', 'finished', '{}'::jsonb, 'failed', 1, now(), now(), now(),
+        @workflow, 'finished', '{}'::jsonb, 'failed', 1, now(), now(), now(),
         @response_status::integer, sqlc.arg(response_headers)::text::jsonb, @response_body::bytea, @failure_reason)
 ON CONFLICT DO NOTHING;
 
@@ -385,7 +421,7 @@ WHERE id = @id AND lease_token = @lease_token AND status = 'running';
 -- have committed without the phase's outcome, so the operation must not
 -- run again. The key is fenced by the attempt's lease (its insert may have
 -- committed with the function's COMMIT). A single-phase run's key is not
--- there to fail: see InsertFailedSingleKey.
+-- there to fail: see InsertFailedKey.
 UPDATE idempotency_keys
 SET status = 'failed',
     failure_reason = @failure_reason,

@@ -58,9 +58,19 @@ type Attempt struct {
 	stored, raced bool
 	// eager: the call lost a key's insert before, and may be waiting for
 	// its holder in a loop; the key's insert goes out before the first
-	// phase runs, not with its first statement, so that a call that keeps
-	// losing runs nothing of the phase.
+	// phase runs (insertBefore), not its lock with its first statement, so
+	// that a call that keeps losing runs nothing of the phase. A first
+	// phase's commit that met a serialization failure makes the attempt
+	// eager too: the key may have been committed since its snapshot, and
+	// the insert's ON CONFLICT then tells.
 	eager bool
+	// atCommit: the transaction in flight took the key's lock only, and
+	// inserts the key row with its commit (insertAtCommit); xid and
+	// started are that transaction's id and its server's start, for
+	// Runner.settleUnsure.
+	atCommit bool
+	xid      int64
+	started  time.Time
 	// noPrepare: preparing a phase's first statement failed once (see
 	// errRunAgain); the attempt's later transactions prepare nothing.
 	noPrepare     bool
@@ -197,7 +207,7 @@ func runAtomic[T any](ctx context.Context, a *Attempt, name string, fn func(ctx 
 	var zero T
 	var raw []byte
 	var tid pgtype.TID
-	err := a.inTx(ctx, true, func(tx *lazyTx) (func(q *db.Queries) error, error) {
+	err := a.inTx(ctx, insertAtCommit, func(tx *lazyTx) (func(q *db.Queries) error, error) {
 		utx := newUserTx(tx)
 		v, err := guard(func() (T, error) { return fn(phasectx.WithKeyID(ctx, a.keyID()), utx) })
 		if serr := utx.settle(ctx); serr != nil {
@@ -402,6 +412,18 @@ func (a *Attempt) phaseStmt(ctx context.Context, name string, raw []byte, tid *p
 	params := db.CommitPhaseParams{
 		LeaseToken: a.nullToken(), Phase: name, Member: member, LeaseSeconds: a.r.cfg.LeaseDuration.Seconds(),
 	}
+	if a.atCommit {
+		ins := a.insertAtPhaseParams(name, member)
+		return func(q *db.Queries) error {
+			a.id = a.newID // kept for the release, should the COMMIT's answer be lost
+			row, err := q.InsertKeyAtPhase(ctx, ins)
+			*tid, a.reusedExpired = row.Ctid, row.ReusedExpired
+			if err != nil {
+				return utx.explain(err)
+			}
+			return nil
+		}, nil
+	}
 	return func(q *db.Queries) error {
 		// Read now: a first phase's key insert may have gone out after fn.
 		params.Tid, params.ID = a.tid, a.id
@@ -507,7 +529,7 @@ func (a *Attempt) Finish(ctx context.Context, fn Func) (Response, error) {
 func (a *Attempt) finish(ctx context.Context, fn Func) (Response, error) {
 	var resp Response
 	stored := true
-	err := a.inTx(ctx, true, func(tx *lazyTx) (func(q *db.Queries) error, error) {
+	err := a.inTx(ctx, insertAtCommit, func(tx *lazyTx) (func(q *db.Queries) error, error) {
 		utx := newUserTx(tx)
 		var err error
 		resp, err = guard(func() (Response, error) { return fn(phasectx.WithKeyID(ctx, a.keyID()), utx) })
@@ -569,11 +591,26 @@ func (a *Attempt) finishParams(resp Response, point string) (db.FinishKeyParams,
 	}, nil
 }
 
-// storeStmt is finishParams' statement, to go out with COMMIT.
+// storeStmt is finishParams' statement, to go out with COMMIT; or, for a
+// first commit that inserts the key with it (insertAtCommit), the key's
+// insert, finished, with the response.
 func (a *Attempt) storeStmt(ctx context.Context, resp Response, point string) (func(q *db.Queries) error, error) {
 	params, err := a.finishParams(resp, point)
 	if err != nil {
 		return nil, err
+	}
+	if a.atCommit {
+		ins := db.InsertFinishedKeyParams{
+			ID: a.newID, Scope: a.req.key.Scope, Key: a.req.key.Value, Fingerprint: a.req.fingerprint,
+			RequestMethod: a.req.key.Method, RequestPath: a.req.key.Path, RequestParams: a.req.params,
+			Workflow: a.workflow, ResponseStatus: params.ResponseStatus.Int32, ResponseHeaders: params.ResponseHeaders,
+			ResponseBody: params.ResponseBody, RejectExpired: a.r.cfg.ExpiredKeyPolicy == ExpiredKeyReject,
+		}
+		return func(q *db.Queries) (err error) {
+			a.id = a.newID // kept for the release, should the COMMIT's answer be lost
+			a.reusedExpired, err = q.InsertFinishedKey(ctx, ins)
+			return err
+		}, nil
 	}
 	return func(q *db.Queries) error {
 		// Read now: a key insert may have gone out after the statement was built.

@@ -27,34 +27,34 @@ func (r *Runner) failEndedKey(ctx context.Context, req request, workflow string,
 	r.logEndedKey(ctx, req, workflow, n, err)
 }
 
-// failEndedSingleKey is failEndedKey for a single-phase run whose
-// transaction committed without the library (see Runner.settleUnsure):
-// the key is inserted only with its response, so it stores the key,
-// failed, under the id the run was allotted. Until it does, the key is
-// free: a twin that takes it in that moment runs the operation again.
-func (r *Runner) failEndedSingleKey(ctx context.Context, req request, id int64) {
+// failUnstoredKey is failEndedKey for a transaction that was to insert
+// its key row with its commit (a single-phase run, or a workflow's first
+// phase; workflow is empty for a run) and committed without the library
+// (see Runner.settleUnsure): it stores the key, failed, under the id the
+// run was allotted. Until it does, the key is free: a twin that takes it
+// in that moment runs the operation again.
+func (r *Runner) failUnstoredKey(ctx context.Context, req request, workflow string, id int64) {
 	fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.ReleaseTimeout)
 	defer cancel()
-	n, err := r.q.InsertFailedSingleKey(fctx, db.InsertFailedSingleKeyParams{
+	n, err := r.q.InsertFailedKey(fctx, db.InsertFailedKeyParams{
 		ID: id, Scope: req.key.Scope, Key: req.key.Value, Fingerprint: req.fingerprint,
-		RequestMethod: req.key.Method, RequestPath: req.key.Path, RequestParams: req.params,
+		RequestMethod: req.key.Method, RequestPath: req.key.Path, RequestParams: req.params, Workflow: workflow,
 		ResponseStatus: failure.Status, ResponseHeaders: failure.Header, ResponseBody: failure.EndedByFunctionBody(),
 		FailureReason: pgtype.Text{String: failure.ReasonEndedByFunction, Valid: true},
 	})
 	if err == nil && n == 0 {
-		r.logRanTwice(ctx, req) // a twin stored the key first
+		r.logRanTwice(ctx, req, workflow) // a twin stored the key first
 		return
 	}
-	r.logEndedKey(ctx, req, "", n, err)
+	r.logEndedKey(ctx, req, workflow, n, err)
 }
 
-// logRanTwice logs a single-phase key that a concurrent call stored after
-// the run's function committed its own transaction, before the key could
-// be failed.
-func (r *Runner) logRanTwice(ctx context.Context, req request) {
+// logRanTwice logs a key that a concurrent call stored after the run's
+// function committed its own transaction, before the key could be failed.
+func (r *Runner) logRanTwice(ctx context.Context, req request, workflow string) {
 	r.log.ErrorContext(ctx, "the operation's code committed its transaction through SQL, and a concurrent call "+
 		"stored the key before it could be failed: the operation may have run twice",
-		"scope", req.key.Scope, "key", req.key.Value)
+		"scope", req.key.Scope, "key", req.key.Value, "workflow", workflow)
 }
 
 // logEndedKey logs the outcome of failing an ended key: n rows failed.

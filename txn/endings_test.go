@@ -638,13 +638,13 @@ func TestFirstPhaseEncodeErrorThenWriteAndNoStatementTwin(t *testing.T) {
 	}
 }
 
-// requireKeyFailedAndWrittenOnce asserts what a Run whose function
-// committed its own transaction leaves behind: its key failed
+// requireKeyFailedAndWrittenOnce asserts what a run whose function
+// committed its own transaction leaves behind: its key (in scope) failed
 // (ended_by_function), a retry that replays the stored 500 without running
-// the function, and the function's write made once.
-func requireKeyFailedAndWrittenOnce(t *testing.T, e *env, retry func() (txn.Response, error), calls *atomic.Int64) {
+// the function, and the function's write ('c1') made once.
+func requireKeyFailedAndWrittenOnce(t *testing.T, e *env, scope string, retry func() (txn.Response, error), calls *atomic.Int64) {
 	t.Helper()
-	status, reason := keyState(t, e, "acct_1", "k1")
+	status, reason := keyState(t, e, scope, "k1")
 	require.Equal(t, "failed", status)
 	require.Equal(t, "ended_by_function", reason)
 	resp, err := retry()
@@ -652,37 +652,50 @@ func requireKeyFailedAndWrittenOnce(t *testing.T, e *env, retry func() (txn.Resp
 	require.True(t, resp.Replayed)
 	require.Equal(t, 500, resp.Status)
 	require.Equal(t, int64(1), calls.Load())
-	require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM charges`))
+	require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM charges WHERE ref = 'c1'`))
 }
 
-// A Run whose function commits through SQL has its key stored failed even
+// committingEntries are the places a function runs in: a Run's, and a
+// workflow's first phase (whose key row goes out with its commit), later
+// phase and Finish (see endingFlow).
+var committingEntries = []string{"run", "first_phase", "second_phase", "finish"}
+
+// A run whose function commits through SQL has its key stored failed even
 // on a pool of one connection: the key is failed once the run's connection
 // is back in the pool, not while the run still holds it (which waited for
 // Config.ReleaseTimeout, failed, and left the writes committed without a
 // key, so the retry wrote them again).
+//
+// COMMIT sent on tx.Conn() directly is seen only once the function
+// returned, whatever it returned: the key is failed then, for a Run as for
+// a workflow.
 func TestFunctionCommitOnAPoolOfOneConnectionFailsTheKey(t *testing.T) {
 	t.Parallel()
-	e := newEnv(t, nil)
-	ctx := ctxT(t)
-	pool := e.NewPool(t, func(c *pgxpool.Config) { c.MaxConns = 1 })
-	r, err := txn.New(pool, &txn.Config{ReleaseTimeout: time.Second})
-	require.NoError(t, err)
-	var calls atomic.Int64
-	fn := func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
-		calls.Add(1)
-		if _, err := tx.Exec(ctx, `INSERT INTO charges (ref, amount) VALUES ('c1', 1)`); err != nil {
-			return txn.Response{}, err
-		}
-		if _, err := tx.Exec(ctx, `COMMIT`); err != nil {
-			return txn.Response{}, err
-		}
-		return txn.JSON(201, "c1")
+	for _, entry := range committingEntries {
+		t.Run(entry, func(t *testing.T) {
+			t.Parallel()
+			e := newEnv(t, nil)
+			ctx := ctxT(t)
+			pool := e.NewPool(t, func(c *pgxpool.Config) { c.MaxConns = 1 })
+			r, err := txn.New(pool, &txn.Config{ReleaseTimeout: time.Second, Workflows: e.reg})
+			require.NoError(t, err)
+			var calls atomic.Int64
+			body := func(ctx context.Context, tx pgx.Tx) error {
+				calls.Add(1)
+				if _, err := tx.Exec(ctx, `INSERT INTO charges (ref, amount) VALUES ('c1', 1)`); err != nil {
+					return err
+				}
+				_, err := tx.Exec(ctx, `COMMIT`)
+				return err
+			}
+			run, scope := entryRun(ctx, r, entry, endingFlow(t, e, entry, body), body)
+			start := time.Now()
+			_, err = run()
+			require.ErrorIs(t, err, txn.ErrInvalidUse)
+			require.Less(t, time.Since(start), time.Second, "no wait for the pool's only connection")
+			requireKeyFailedAndWrittenOnce(t, e, scope, run, &calls)
+		})
 	}
-	start := time.Now()
-	_, err = r.Run(ctx, chargeKey("k1", 1), fn)
-	require.ErrorIs(t, err, txn.ErrInvalidUse)
-	require.Less(t, time.Since(start), time.Second, "no wait for the pool's only connection")
-	requireKeyFailedAndWrittenOnce(t, e, func() (txn.Response, error) { return r.Run(ctx, chargeKey("k1", 1), fn) }, &calls)
 }
 
 // A COMMIT the library does not see (in a batch the function sends and
@@ -691,45 +704,61 @@ func TestFunctionCommitOnAPoolOfOneConnectionFailsTheKey(t *testing.T) {
 // made again by a retry.
 func TestFunctionCommitInAnUnreadBatchFailsTheKey(t *testing.T) {
 	t.Parallel()
-	e := newEnv(t, nil)
-	ctx := ctxT(t)
-	var calls atomic.Int64
-	fn := func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
-		calls.Add(1)
-		b := &pgx.Batch{}
-		b.Queue(`INSERT INTO charges (ref, amount) VALUES ('c1', 1)`)
-		b.Queue(`COMMIT`)
-		_ = tx.SendBatch(ctx, b) // never read nor closed
-		time.Sleep(100 * time.Millisecond)
-		return txn.JSON(201, "c1")
+	for _, entry := range committingEntries {
+		t.Run(entry, func(t *testing.T) {
+			t.Parallel()
+			e := newEnv(t, nil)
+			ctx := ctxT(t)
+			var calls atomic.Int64
+			body := func(ctx context.Context, tx pgx.Tx) error {
+				calls.Add(1)
+				b := &pgx.Batch{}
+				b.Queue(`INSERT INTO charges (ref, amount) VALUES ('c1', 1)`)
+				b.Queue(`COMMIT`)
+				_ = tx.SendBatch(ctx, b) // never read nor closed
+				time.Sleep(100 * time.Millisecond)
+				return nil
+			}
+			run, scope := entryRun(ctx, e.runner, entry, endingFlow(t, e, entry, body), body)
+			_, err := run()
+			require.ErrorIs(t, err, txn.ErrInvalidUse)
+			requireKeyFailedAndWrittenOnce(t, e, scope, run, &calls)
+		})
 	}
-	_, err := e.runner.Run(ctx, chargeKey("k1", 1), fn)
-	require.ErrorIs(t, err, txn.ErrInvalidUse)
-	requireKeyFailedAndWrittenOnce(t, e, func() (txn.Response, error) { return e.runner.Run(ctx, chargeKey("k1", 1), fn) }, &calls)
 }
 
 // A COMMIT the function sent is found even when the caller's context ends
 // before the run is settled: the key is failed under a context of its own.
 func TestFunctionCommitFailsTheKeyAfterTheCallerHasGone(t *testing.T) {
 	t.Parallel()
-	e := newEnv(t, nil)
-	ctx := ctxT(t)
-	var calls atomic.Int64
-	fn := func(cancel context.CancelFunc) txn.Func {
-		return func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
-			calls.Add(1)
-			if _, err := tx.Exec(ctx, `INSERT INTO charges (ref, amount) VALUES ('c1', 1)`); err != nil {
-				return txn.Response{}, err
+	for _, entry := range committingEntries {
+		t.Run(entry, func(t *testing.T) {
+			t.Parallel()
+			e := newEnv(t, nil)
+			ctx := ctxT(t)
+			var calls atomic.Int64
+			var cancel atomic.Value // context.CancelFunc: the client hangs up
+			cancel.Store(context.CancelFunc(func() {}))
+			body := func(ctx context.Context, tx pgx.Tx) error {
+				calls.Add(1)
+				if _, err := tx.Exec(ctx, `INSERT INTO charges (ref, amount) VALUES ('c1', 1)`); err != nil {
+					return err
+				}
+				_, err := tx.Exec(ctx, `COMMIT`)
+				cancel.Load().(context.CancelFunc)()
+				return err
 			}
-			_, err := tx.Exec(ctx, `COMMIT`)
-			cancel() // the client hangs up
-			return txn.Response{}, err
-		}
+			wf := endingFlow(t, e, entry, body)
+			short, stop := context.WithCancel(ctx)
+			cancel.Store(stop)
+			gone, _ := entryRun(short, e.runner, entry, wf, body)
+			_, err := gone()
+			require.Error(t, err)
+			cancel.Store(context.CancelFunc(func() {}))
+			run, scope := entryRun(ctx, e.runner, entry, wf, body)
+			requireKeyFailedAndWrittenOnce(t, e, scope, run, &calls)
+		})
 	}
-	short, cancel := context.WithCancel(ctx)
-	_, err := e.runner.Run(short, chargeKey("k1", 1), fn(cancel))
-	require.Error(t, err)
-	requireKeyFailedAndWrittenOnce(t, e, func() (txn.Response, error) { return e.runner.Run(ctx, chargeKey("k1", 1), fn(func() {})) }, &calls)
 }
 
 // A COMMIT still queued behind a slow statement when the function returns
@@ -738,19 +767,25 @@ func TestFunctionCommitFailsTheKeyAfterTheCallerHasGone(t *testing.T) {
 // ends, and then fails the key.
 func TestFunctionCommitQueuedBehindASlowStatementFailsTheKey(t *testing.T) {
 	t.Parallel()
-	e := newEnv(t, nil)
-	ctx := ctxT(t)
-	var calls atomic.Int64
-	fn := func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
-		calls.Add(1)
-		b := &pgx.Batch{}
-		b.Queue(`INSERT INTO charges (ref, amount) VALUES ('c1', 1)`)
-		b.Queue(`SELECT pg_sleep(0.5)`)
-		b.Queue(`COMMIT`)
-		_ = tx.SendBatch(ctx, b) // never read nor closed
-		return txn.JSON(201, "c1")
+	for _, entry := range committingEntries {
+		t.Run(entry, func(t *testing.T) {
+			t.Parallel()
+			e := newEnv(t, nil)
+			ctx := ctxT(t)
+			var calls atomic.Int64
+			body := func(ctx context.Context, tx pgx.Tx) error {
+				calls.Add(1)
+				b := &pgx.Batch{}
+				b.Queue(`INSERT INTO charges (ref, amount) VALUES ('c1', 1)`)
+				b.Queue(`SELECT pg_sleep(0.5)`)
+				b.Queue(`COMMIT`)
+				_ = tx.SendBatch(ctx, b) // never read nor closed
+				return nil
+			}
+			run, scope := entryRun(ctx, e.runner, entry, endingFlow(t, e, entry, body), body)
+			_, err := run()
+			require.ErrorIs(t, err, txn.ErrInvalidUse)
+			requireKeyFailedAndWrittenOnce(t, e, scope, run, &calls)
+		})
 	}
-	_, err := e.runner.Run(ctx, chargeKey("k1", 1), fn)
-	require.ErrorIs(t, err, txn.ErrInvalidUse)
-	requireKeyFailedAndWrittenOnce(t, e, func() (txn.Response, error) { return e.runner.Run(ctx, chargeKey("k1", 1), fn) }, &calls)
 }

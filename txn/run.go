@@ -116,7 +116,7 @@ func (r *Runner) run(ctx context.Context, req request, fn Func) (Response, error
 
 		resp, stored, err := r.runSingle(ctx, req, row.NewID, contended, prepare, fn)
 		if unsure, ok := errors.AsType[errUnsure](err); ok {
-			replay, committed := r.settleUnsure(ctx, req, row.NewID, unsure)
+			replay, committed := r.settleUnsure(ctx, req, "", row.NewID, unsure)
 			if replay {
 				raced, contended = true, true // a twin committed the key: the next lookup replays it
 				continue
@@ -168,7 +168,7 @@ var errRaced = errors.New("key inserted concurrently")
 // Config.Store rejected fn's response: the transaction was rolled back and
 // the response is returned as it is.
 //
-// The key is taken (TakeSingleKey's lock) by a statement that goes out
+// The key is taken (TakeKeyLock's lock) by a statement that goes out
 // with fn's first statement, so a twin that comes first costs fn's run up
 // to that statement. eager (the run lost the key to a twin already, and
 // may be waiting for it in a loop) takes it before fn runs instead, so
@@ -185,14 +185,14 @@ func (r *Runner) runSingle(ctx context.Context, req request, id int64, eager, pr
 	defer conn.Release()
 	// BEGIN and the key's lock go out with fn's first statement, in one
 	// round trip (see lazyTx).
-	take := db.TakeSingleKeyParams{MustTake: !eager, Scope: req.key.Scope, Key: req.key.Value}
+	take := db.TakeKeyLockParams{MustTake: !eager, Scope: req.key.Scope, Key: req.key.Value}
 	var xid int64         // the transaction's id, once the key's lock is taken
 	var started time.Time // and the server's start, which tells whose id it is
 	unsure := func(err error) error { return errUnsure{err: err, xid: xid, started: started} }
 	tx := newLazyTx(ctx, conn.Conn(), pgx.TxOptions{IsoLevel: pgx.Serializable}, opener{
-		queue: func(b *pgx.Batch) { _, _ = db.New(pgbatch.Queue{B: b}).TakeSingleKey(ctx, take) },
+		queue: func(b *pgx.Batch) { _, _ = db.New(pgbatch.Queue{B: b}).TakeKeyLock(ctx, take) },
 		read: func(br pgx.BatchResults) error {
-			row, err := db.New(pgbatch.Results{BR: br}).TakeSingleKey(ctx, take)
+			row, err := db.New(pgbatch.Results{BR: br}).TakeKeyLock(ctx, take)
 			xid, started = row.Xid, row.ServerStarted
 			switch {
 			case err == nil && !row.Taken, pgerr.Code(err) == pgerr.DivisionByZero:
@@ -247,7 +247,7 @@ func (r *Runner) runSingle(ctx context.Context, req request, id int64, eager, pr
 	}
 	var reusedExpired bool
 	err = commitWith(ctx, tx, func(q *db.Queries) (err error) {
-		reusedExpired, err = q.InsertFinishedSingleKey(ctx, db.InsertFinishedSingleKeyParams{
+		reusedExpired, err = q.InsertFinishedKey(ctx, db.InsertFinishedKeyParams{
 			ID: id, Scope: req.key.Scope, Key: req.key.Value, Fingerprint: req.fingerprint,
 			RequestMethod: req.key.Method, RequestPath: req.key.Path, RequestParams: req.params,
 			ResponseStatus: int32(resp.Status), ResponseHeaders: string(header), ResponseBody: resp.Body,

@@ -14,7 +14,9 @@ import (
 // that is not stored) that may not mean what it says, with the run's
 // transaction id (0 if none began); Runner.run settles it (settleUnsure)
 // once the run's connection is back in the pool, so that a pool of one
-// connection does not wait on itself.
+// connection does not wait on itself. A workflow's first phase, which
+// inserts its key with its commit, is settled the same way (see
+// Attempt.txOnce).
 type errUnsure struct {
 	err     error
 	xid     int64     // the transaction's id
@@ -38,7 +40,9 @@ var errCommittedByFunction = fmt.Errorf("%w: the function's transaction committe
 // settleUnsure reads what a run that did not end as the library ends it
 // left behind (KeyOutcome), and reports whether the call should look the
 // key up again and replay it, and whether fn committed the transaction
-// itself. Two things can make fn's outcome misleading:
+// itself. A run here is a single-phase one (workflow empty) or a
+// workflow's first phase that was to insert its key with its commit; id
+// is the key's allotted id. Two things can make fn's outcome misleading:
 //
 //   - The run takes the key with fn's first statement, and finds the lock
 //     free when a twin committed just after this call's lookup. fn then ran
@@ -48,11 +52,11 @@ var errCommittedByFunction = fmt.Errorf("%w: the function's transaction committe
 //     committed row is the twin's: replay it.
 //   - fn sent COMMIT as SQL (seen by userTx.watch, or unseen: in a batch it
 //     left unread, in a multi-statement string). Its writes then committed
-//     without the key: the key is stored failed (failEndedSingleKey), so
+//     without the key: the key is stored failed (failUnstoredKey), so
 //     that no retry runs the operation again. A
 //     transaction that did not commit (a ROLLBACK sent as SQL) leaves
 //     nothing to fail, and a retry runs the operation as new.
-func (r *Runner) settleUnsure(ctx context.Context, req request, id int64, u errUnsure) (replay, committed bool) {
+func (r *Runner) settleUnsure(ctx context.Context, req request, workflow string, id int64, u errUnsure) (replay, committed bool) {
 	// Not bounded by the caller's context: a COMMIT fn sent must be found
 	// even when the caller has gone.
 	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.ReleaseTimeout)
@@ -80,20 +84,20 @@ func (r *Runner) settleUnsure(ctx context.Context, req request, id int64, u errU
 		// commit, so the key is failed, to be safe.
 		r.log.ErrorContext(ctx, "the operation's transaction did not end when the library left it: its key is failed "+
 			"in case it commits (a statement still queued, or PREPARE TRANSACTION)",
-			"scope", req.key.Scope, "key", req.key.Value, "error", err)
-		r.failEndedSingleKey(ctx, req, id)
+			"scope", req.key.Scope, "key", req.key.Value, "workflow", workflow, "error", err)
+		r.failUnstoredKey(ctx, req, workflow, id)
 		return false, true
 	case err != nil:
 		if errors.Is(u.err, errEndedBySQL) {
-			r.logEndedKey(ctx, req, "", 0, err)
+			r.logEndedKey(ctx, req, workflow, 0, err)
 		}
 		return false, false
 	case out.Status == "committed" && out.Stored:
 		// fn committed, and a twin took the key after that COMMIT freed it.
-		r.logRanTwice(ctx, req)
+		r.logRanTwice(ctx, req, workflow)
 		return false, true
 	case out.Status == "committed":
-		r.failEndedSingleKey(ctx, req, id)
+		r.failUnstoredKey(ctx, req, workflow, id)
 		return false, true
 	default:
 		// Aborted, or unknown (the server that ran it is gone: what it did

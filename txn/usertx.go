@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -47,6 +48,9 @@ type stmtErrors struct {
 	first     error // the first statement the server refused
 	retryable error // the first serialization failure or deadlock
 	ended     bool  // a statement ended the transaction (see userTx.watch)
+	// batches are the batches user code sent and has not closed: settle
+	// reads what they left unread (closeBatches).
+	batches []*userBatch
 }
 
 // errEndedBySQL: user code ended the library's transaction through SQL.
@@ -120,6 +124,7 @@ func (t *userTx) settle(ctx context.Context) error {
 	if t.root.again {
 		return errRunAgain
 	}
+	t.closeBatches()
 	return t.endedBySQL()
 }
 
@@ -235,7 +240,11 @@ func (t *userTx) CopyFrom(ctx context.Context, table pgx.Identifier, columns []s
 }
 
 func (t *userTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
-	return &userBatch{BatchResults: t.Tx.SendBatch(ctx, b), tx: t}
+	ub := &userBatch{BatchResults: t.Tx.SendBatch(ctx, b), tx: t}
+	t.rec.mu.Lock()
+	t.rec.batches = append(t.rec.batches, ub)
+	t.rec.mu.Unlock()
+	return ub
 }
 
 func (t *userTx) Prepare(ctx context.Context, name, sql string) (*pgconn.StatementDescription, error) {
@@ -343,5 +352,22 @@ func (b *userBatch) QueryRow() pgx.Row { return userRow{row: b.BatchResults.Quer
 func (b *userBatch) Close() error {
 	err := b.BatchResults.Close()
 	b.tx.watch(b.committed)
+	b.tx.rec.mu.Lock()
+	b.tx.rec.batches = slices.DeleteFunc(b.tx.rec.batches, func(o *userBatch) bool { return o == b })
+	b.tx.rec.mu.Unlock()
 	return b.tx.rec.note(err)
+}
+
+// closeBatches closes the batches user code left open when it returned,
+// reading the results it did not: a statement among them may have ended
+// the transaction (a COMMIT the function never read the answer of), which
+// Close's watch then sees. The results are the server's answers to what
+// was sent; reading them changes nothing on the server.
+func (t *userTx) closeBatches() {
+	t.rec.mu.Lock()
+	open := slices.Clone(t.rec.batches)
+	t.rec.mu.Unlock()
+	for _, b := range open {
+		_ = b.Close() // its errors are noted
+	}
 }

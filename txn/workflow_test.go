@@ -17,6 +17,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/atomicphase/atomicphase/internal/pgtest"
+	"github.com/atomicphase/atomicphase/internal/phasectx"
 	"github.com/atomicphase/atomicphase/internal/txnhook"
 	"github.com/atomicphase/atomicphase/txn"
 )
@@ -279,9 +280,13 @@ func TestFiftyGoroutinesOnOneWorkflowKeyRunEachPhaseOnce(t *testing.T) {
 	wg.Wait()
 	require.GreaterOrEqual(t, ok.Load(), int64(1))
 	// The first phase takes the key with its first statement: a call that
-	// loses the insert has run its phase up to that statement, which never
-	// ran (the insert's error aborted the transaction before it).
-	require.Equal(t, int64(1), f.p1Wrote.Load(), "one run of the first phase got past its statement")
+	// loses the key's lock has run its phase up to that statement, which
+	// never ran (the lock's error aborted the transaction before it). A call
+	// whose lookup came just before the winner committed takes the lock
+	// after it, and runs its phase in a transaction that is rolled back
+	// (its key row's insert meets the winner's): only the winner's writes
+	// commit.
+	require.GreaterOrEqual(t, f.p1Wrote.Load(), int64(1))
 	require.LessOrEqual(t, f.p1.Load(), int64(50), "a call that lost the key once does not run the phase again")
 	require.Equal(t, int64(1), f.p3.Load())
 	require.Equal(t, int64(1), f.prov.calls.Load())
@@ -925,11 +930,101 @@ func TestWorkflowFirstAttemptCommitsTwice(t *testing.T) {
 	require.Equal(t, 2, writes())
 }
 
+// A workflow's first phase inserts its key row once, at its commit, with
+// the phase's recovery point and result: no insert followed by an update of
+// the same row. Atomic → Foreign → Finish writes two row versions, the
+// insert and the final phase's.
+func TestWorkflowFirstPhaseWritesItsKeyRowOnce(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	_, err := e.Pool.Exec(ctx, `
+		CREATE SEQUENCE key_row_writes;
+		CREATE FUNCTION count_key_row_write() RETURNS trigger LANGUAGE plpgsql AS $$
+		BEGIN PERFORM nextval('key_row_writes'); RETURN NEW; END $$;
+		CREATE TRIGGER count_key_row_writes BEFORE INSERT OR UPDATE ON idempotency_keys
+			FOR EACH ROW EXECUTE FUNCTION count_key_row_write()`)
+	require.NoError(t, err)
+	f := newRideFlow(t, e.reg, "ride")
+	for i := range 3 { // the first on a connection prepares; the later ones ride with BEGIN
+		resp, err := e.runner.RunWorkflow(ctx, rideKey("k"+strconv.Itoa(i)), f.wf)
+		require.NoError(t, err)
+		require.Equal(t, 201, resp.Status)
+	}
+	var writes int64
+	require.NoError(t, e.Pool.QueryRow(ctx, `SELECT last_value FROM key_row_writes`).Scan(&writes))
+	require.Equal(t, int64(6), writes, "two row versions per key")
+	require.Equal(t, 3, e.Count(t, `SELECT count(*) FROM idempotency_keys WHERE status = 'finished' AND response_status = 201`))
+	for i := range 3 {
+		require.Equal(t, `{"ride_created":{"id":`+strconv.Itoa(2*i+1)+`,"amount":1250},"charge_created":"ch_`+strconv.Itoa(i+1)+`"}`,
+			storedResults(t, e, "k"+strconv.Itoa(i)))
+	}
+}
+
+// A workflow's first phase takes its key with its first statement, and
+// inserts the key row at its commit: a call whose lookup came before a
+// twin committed the key runs that phase on a snapshot with the twin's
+// writes, and whatever it makes of them (an error, a rejection) is not its
+// answer: the twin's response is, replayed.
+func TestWorkflowThatLostToACommittedTwinReplaysWhateverItsFirstPhaseMade(t *testing.T) {
+	t.Parallel()
+	for _, outcome := range []string{"error", "rejection"} {
+		t.Run(outcome, func(t *testing.T) {
+			t.Parallel()
+			e := newEnv(t, nil)
+			ctx := ctxT(t)
+			_, err := e.Pool.Exec(ctx, `CREATE TABLE orders (ref text PRIMARY KEY)`)
+			require.NoError(t, err)
+			entered, release := make(chan struct{}), make(chan struct{})
+			releaseFirst := sync.OnceFunc(func() { close(release) })
+			t.Cleanup(releaseFirst) // on a failed assertion too: the pool's Close waits for the first call
+			var calls atomic.Int64
+			wf := txn.NewWorkflow("orders", func(ctx context.Context, a *txn.Attempt) (txn.Response, error) {
+				n := calls.Add(1)
+				_, err := txn.Atomic(ctx, a, "ordered", func(ctx context.Context, tx pgx.Tx) (string, error) {
+					if n == 1 {
+						close(entered)
+						<-release // before its first statement: it holds nothing yet
+					}
+					_, err := tx.Exec(ctx, `INSERT INTO orders (ref) VALUES ('o1')`)
+					return "o1", err
+				})
+				switch {
+				case err != nil && outcome == "rejection":
+					return txn.JSON(422, "order exists") // a rejection is not stored by default
+				case err != nil:
+					return txn.Response{}, err
+				}
+				return a.Finish(ctx, func(context.Context, pgx.Tx) (txn.Response, error) { return txn.JSON(201, "o1") })
+			})
+			require.NoError(t, e.reg.Register(wf))
+			done := make(chan error, 1)
+			var first txn.Response
+			go func() {
+				var err error
+				first, err = e.runner.RunWorkflow(ctx, rideKey("k1"), wf)
+				done <- err
+			}()
+			<-entered
+			twin, err := e.runner.RunWorkflow(ctx, rideKey("k1"), wf)
+			require.NoError(t, err)
+			require.Equal(t, 201, twin.Status)
+			releaseFirst()
+			require.NoError(t, <-done)
+			require.True(t, first.Replayed, "the twin's response, replayed")
+			require.Equal(t, twin.Body, first.Body)
+			require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM orders`))
+			require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM idempotency_keys WHERE status = 'finished'`))
+		})
+	}
+}
+
 // A first attempt's key goes out with BEGIN and its first phase's first
 // statement, as a Run's does: in pgx's default mode once a workflow
 // prepared that statement on the connection (after the key, so the first
 // such workflow pays a round trip and the prepare more), in the exec mode
-// always. The phase knows its key's id before the key is inserted.
+// always. The key row itself goes out with the phase's COMMIT, written
+// once; the phase knows its id before it is inserted.
 func TestWorkflowFirstPhaseTakesTheKeyWithItsFirstStatement(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, nil)
@@ -956,9 +1051,16 @@ func TestWorkflowFirstPhaseTakesTheKeyWithItsFirstStatement(t *testing.T) {
 	keyIDs := make(chan int64, 4)
 	idWf := txn.NewWorkflow("first_phase_key_id", func(ctx context.Context, a *txn.Attempt) (txn.Response, error) {
 		_, err := txn.Atomic(ctx, a, "noted", func(ctx context.Context, tx pgx.Tx) (int64, error) {
-			var id int64
-			err := tx.QueryRow(ctx, `SELECT id FROM idempotency_keys WHERE scope = $1 AND key = $2`, "user_1", "id1").Scan(&id)
+			id, ok := phasectx.KeyID(ctx)
+			if !ok {
+				return 0, errors.New("no key id")
+			}
 			keyIDs <- id
+			var rows int
+			err := tx.QueryRow(ctx, `SELECT count(*) FROM idempotency_keys WHERE scope = $1 AND key = $2`, "user_1", "id1").Scan(&rows)
+			if err == nil && rows != 0 {
+				err = errors.New("the key row is there before the phase's commit")
+			}
 			return id, err
 		})
 		if err != nil {
@@ -968,25 +1070,26 @@ func TestWorkflowFirstPhaseTakesTheKeyWithItsFirstStatement(t *testing.T) {
 	})
 	require.NoError(t, e.reg.Register(idWf))
 
-	// The first on the connection: BEGIN with the key goes first, then the
-	// prepare of the phase's statement (not a query: not counted here).
+	// The first on the connection: BEGIN with the key's lock goes first,
+	// then the prepare of the phase's statement (not a query: not counted
+	// here).
 	rt, _ := pc.roundTrips(func() {
 		_, err := r.RunWorkflow(ctx, rideKey("w1"), wf)
 		require.NoError(t, err)
 	})
-	require.Equal(t, int64(6), rt, "the read, BEGIN with the key, the phase's insert, the record with COMMIT, "+
+	require.Equal(t, int64(6), rt, "the read, BEGIN with the key's lock, the phase's insert, the key row with COMMIT, "+
 		"BEGIN with Finish's statement, the response with COMMIT")
 	rt, prepares := pc.roundTrips(func() {
 		_, err := r.RunWorkflow(ctx, rideKey("w2"), wf)
 		require.NoError(t, err)
 	})
-	require.Equal(t, int64(5), rt, "the read, BEGIN with the key and the phase's insert, the record with COMMIT, "+
+	require.Equal(t, int64(5), rt, "the read, BEGIN with the key's lock and the phase's insert, the key row with COMMIT, "+
 		"BEGIN with Finish's statement, the response with COMMIT")
 	require.Zero(t, prepares)
 	require.Equal(t, 2, e.Count(t, `SELECT count(*) FROM charges`))
 
-	// The phase runs inside the transaction that inserted its key, and
-	// sees the row (its first statement went out after the insert).
+	// The phase is given the id its key row takes at the commit (the
+	// outbox's messages carry it), before the row is there.
 	_, err := r.RunWorkflow(ctx, rideKey("id1"), idWf)
 	require.NoError(t, err)
 	var stored int64

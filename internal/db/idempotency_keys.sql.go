@@ -204,7 +204,7 @@ type FailKeyEndedByFunctionParams struct {
 // have committed without the phase's outcome, so the operation must not
 // run again. The key is fenced by the attempt's lease (its insert may have
 // committed with the function's COMMIT). A single-phase run's key is not
-// there to fail: see InsertFailedSingleKey.
+// there to fail: see InsertFailedKey.
 func (q *Queries) FailKeyEndedByFunction(ctx context.Context, arg FailKeyEndedByFunctionParams) (int64, error) {
 	result, err := q.db.Exec(ctx, failKeyEndedByFunction,
 		arg.FailureReason,
@@ -280,19 +280,19 @@ func (q *Queries) FinishKey(ctx context.Context, arg FinishKeyParams) (FinishKey
 	return i, err
 }
 
-const insertFailedSingleKey = `-- name: InsertFailedSingleKey :execrows
+const insertFailedKey = `-- name: InsertFailedKey :execrows
 INSERT INTO idempotency_keys (
     id, scope, key, fingerprint, request_method, request_path, request_params_raw,
     workflow, recovery_point, phase_results, status, attempts, created_at,
     last_run_at, finished_at, response_status, response_headers, response_body, failure_reason
 )
 VALUES ($1, $2, $3, $4, $5, $6, $7::bytea,
-        '', 'finished', '{}'::jsonb, 'failed', 1, now(), now(), now(),
-        $8::integer, $9::text::jsonb, $10::bytea, $11)
+        $8, 'finished', '{}'::jsonb, 'failed', 1, now(), now(), now(),
+        $9::integer, $10::text::jsonb, $11::bytea, $12)
 ON CONFLICT DO NOTHING
 `
 
-type InsertFailedSingleKeyParams struct {
+type InsertFailedKeyParams struct {
 	ID              int64
 	Scope           string
 	Key             string
@@ -300,18 +300,21 @@ type InsertFailedSingleKeyParams struct {
 	RequestMethod   string
 	RequestPath     string
 	RequestParams   []byte
+	Workflow        string
 	ResponseStatus  int32
 	ResponseHeaders string
 	ResponseBody    []byte
 	FailureReason   pgtype.Text
 }
 
-// Stores the key of a single-phase run whose function ended its transaction
-// through SQL (failure.ReasonEndedByFunction), failed: what the function
-// wrote before may have committed without the key, so the operation must
-// not run again. No row when a twin stored the key first.
-func (q *Queries) InsertFailedSingleKey(ctx context.Context, arg InsertFailedSingleKeyParams) (int64, error) {
-	result, err := q.db.Exec(ctx, insertFailedSingleKey,
+// Stores, failed, the key of a single-phase run, or of a workflow's first
+// phase, whose function ended its transaction through SQL
+// (failure.ReasonEndedByFunction): the key row was to be inserted with the
+// transaction's commit, and what the function wrote before may have
+// committed without it, so the operation must not run again. workflow is
+// empty for a single-phase run. No row when a twin stored the key first.
+func (q *Queries) InsertFailedKey(ctx context.Context, arg InsertFailedKeyParams) (int64, error) {
+	result, err := q.db.Exec(ctx, insertFailedKey,
 		arg.ID,
 		arg.Scope,
 		arg.Key,
@@ -319,6 +322,7 @@ func (q *Queries) InsertFailedSingleKey(ctx context.Context, arg InsertFailedSin
 		arg.RequestMethod,
 		arg.RequestPath,
 		arg.RequestParams,
+		arg.Workflow,
 		arg.ResponseStatus,
 		arg.ResponseHeaders,
 		arg.ResponseBody,
@@ -330,27 +334,27 @@ func (q *Queries) InsertFailedSingleKey(ctx context.Context, arg InsertFailedSin
 	return result.RowsAffected(), nil
 }
 
-const insertFinishedSingleKey = `-- name: InsertFinishedSingleKey :one
+const insertFinishedKey = `-- name: InsertFinishedKey :one
 INSERT INTO idempotency_keys (
     id, scope, key, fingerprint, request_method, request_path, request_params_raw,
     workflow, recovery_point, phase_results, status, attempts, created_at,
     last_run_at, finished_at, response_status, response_headers, response_body
 )
 SELECT $1, $2, $3, $4, $5, $6, $7::bytea,
-       '', 'finished', '{}'::jsonb, 'finished', 1, now(), now(), now(),
-       $8::integer, $9::text::jsonb, $10::bytea
-WHERE NOT $11::boolean
+       $8, 'finished', '{}'::jsonb, 'finished', 1, now(), now(), now(),
+       $9::integer, $10::text::jsonb, $11::bytea
+WHERE NOT $12::boolean
    OR NOT EXISTS (SELECT FROM idempotency_key_tombstones t
                   WHERE t.scope = $2 AND t.key_hash = sha256(convert_to($3::text, 'UTF8'))
                     AND t.expires_at > now())
    OR atomicphase_refuse_tombstoned($2, $3)
-RETURNING (NOT $11::boolean
+RETURNING (NOT $12::boolean
            AND EXISTS (SELECT FROM idempotency_key_tombstones t
                        WHERE t.scope = $2 AND t.key_hash = sha256(convert_to($3::text, 'UTF8'))
                          AND t.expires_at > now()))::boolean AS reused_expired
 `
 
-type InsertFinishedSingleKeyParams struct {
+type InsertFinishedKeyParams struct {
 	ID              int64
 	Scope           string
 	Key             string
@@ -358,23 +362,26 @@ type InsertFinishedSingleKeyParams struct {
 	RequestMethod   string
 	RequestPath     string
 	RequestParams   []byte
+	Workflow        string
 	ResponseStatus  int32
 	ResponseHeaders string
 	ResponseBody    []byte
 	RejectExpired   bool
 }
 
-// Ends a single-phase run: inserts its key, finished, with the response, in
-// the transaction that took it (TakeSingleKey) and holds the function's
-// writes. The id is the one LookupKey allotted. It goes out in one round
-// trip with COMMIT, so it fails rather than insert nothing: a key committed
-// since the lookup (the lock was free by then) raises a unique violation,
-// or a serialization failure when the row is not in the transaction's
-// snapshot, and a key whose tombstone appeared since raises AP002; the
-// error aborts the transaction and makes the pipelined COMMIT a no-op.
-// reused_expired tells that the key reuses an expired one (ExpiredKeyAllow).
-func (q *Queries) InsertFinishedSingleKey(ctx context.Context, arg InsertFinishedSingleKeyParams) (bool, error) {
-	row := q.db.QueryRow(ctx, insertFinishedSingleKey,
+// Ends a single-phase run, or a workflow whose first commit is its Finish
+// (workflow is empty for a run): inserts its key, finished, with the
+// response, in the transaction that took it (TakeKeyLock) and holds the
+// function's writes. The id is the one the lookup allotted. It goes out in
+// one round trip with COMMIT, so it fails rather than insert nothing: a key
+// committed since the lookup (the lock was free by then) raises a unique
+// violation, or a serialization failure when the row is not in the
+// transaction's snapshot, and a key whose tombstone appeared since raises
+// AP002; the error aborts the transaction and makes the pipelined COMMIT a
+// no-op. reused_expired tells that the key reuses an expired one
+// (ExpiredKeyAllow).
+func (q *Queries) InsertFinishedKey(ctx context.Context, arg InsertFinishedKeyParams) (bool, error) {
+	row := q.db.QueryRow(ctx, insertFinishedKey,
 		arg.ID,
 		arg.Scope,
 		arg.Key,
@@ -382,6 +389,7 @@ func (q *Queries) InsertFinishedSingleKey(ctx context.Context, arg InsertFinishe
 		arg.RequestMethod,
 		arg.RequestPath,
 		arg.RequestParams,
+		arg.Workflow,
 		arg.ResponseStatus,
 		arg.ResponseHeaders,
 		arg.ResponseBody,
@@ -399,35 +407,31 @@ WITH ins AS (
         workflow, recovery_point, phase_results, status, lease_token, leased_until,
         attempts, created_at, last_run_at, foreign_key_seed
     )
-    SELECT $2, $3, $4, $5, $6, $7, $8::bytea,
-           $9, 'started', '{}'::jsonb, 'running', $10::uuid,
-           clock_timestamp() + make_interval(secs => $11::float8),
-           1, now(), now(), coalesce($12::bigint, atomicphase_foreign_key_seed($3, $4))
+    SELECT $1, $2, $3, $4, $5, $6, $7::bytea,
+           $8, 'started', '{}'::jsonb, 'running', $9::uuid,
+           clock_timestamp() + make_interval(secs => $10::float8),
+           1, now(), now(), coalesce($11::bigint, atomicphase_foreign_key_seed($2, $3))
     WHERE pg_try_advisory_xact_lock(
-        hashtextextended(length($3::text)::text || ':' || $3::text || $4::text,
+        hashtextextended(length($2::text)::text || ':' || $2::text || $3::text,
                         'idempotency_keys'::regclass::oid::bigint))
-      AND (NOT $13::boolean
+      AND (NOT $12::boolean
            OR NOT EXISTS (SELECT FROM idempotency_key_tombstones t
-                         WHERE t.scope = $3 AND t.key_hash = sha256(convert_to($4::text, 'UTF8'))
+                         WHERE t.scope = $2 AND t.key_hash = sha256(convert_to($3::text, 'UTF8'))
                            AND t.expires_at > now())
-           OR atomicphase_refuse_tombstoned($3, $4))
+           OR atomicphase_refuse_tombstoned($2, $3))
     ON CONFLICT (scope, key) DO NOTHING
     RETURNING id, ctid, foreign_key_seed,
-        (NOT $13::boolean
+        (NOT $12::boolean
          AND EXISTS (SELECT FROM idempotency_key_tombstones t
-                     WHERE t.scope = $3 AND t.key_hash = sha256(convert_to($4::text, 'UTF8'))
+                     WHERE t.scope = $2 AND t.key_hash = sha256(convert_to($3::text, 'UTF8'))
                        AND t.expires_at > now()))::boolean AS reused_expired
 )
 SELECT ins.id::bigint AS id, ins.ctid, ins.foreign_key_seed, coalesce(ins.reused_expired, false)::boolean AS reused_expired
 FROM (SELECT 1) AS one
-LEFT JOIN ins ON true
-WHERE CASE WHEN ins.ctid IS NOT NULL THEN true
-           WHEN $1::boolean THEN 1 / (SELECT count(*)::integer FROM ins) = 1
-           ELSE false END
+JOIN ins ON true
 `
 
 type InsertKeyParams struct {
-	MustInsert    bool
 	ID            int64
 	Scope         string
 	Key           string
@@ -449,31 +453,29 @@ type InsertKeyRow struct {
 	ReusedExpired  bool
 }
 
-// Creates a running key, taking a transaction-scoped advisory lock on
-// (scope, key) first, without waiting, so that a concurrent attempt whose
-// insert is uncommitted makes this return no row at once instead of waiting
-// on the unique index. The lock's hash is seeded with the table's oid, so
+// Creates a running workflow key holding a lease, on its own (before a
+// Foreign phase that comes first) or first thing in a phase's transaction
+// (an attempt that lost the key before, or a terminal response stored
+// without Finish): a workflow's first Atomic phase or Finish inserts its
+// key with its commit instead (InsertKeyAtPhase, InsertFinishedKey). It
+// takes the transaction-scoped advisory lock on (scope, key) first,
+// without waiting, so that a concurrent attempt whose insert is
+// uncommitted makes this return no row at once instead of waiting on the
+// unique index. The lock's hash is seeded with the table's oid, so
 // installations in other schemas of the same database never share a lock.
 // ON CONFLICT's check reads the unique index with a dirty snapshot, which
-// takes no SERIALIZABLE predicate lock; in a SERIALIZABLE single-phase run,
-// a conflicting row committed after the transaction's snapshot raises a
-// serialization failure, so the run is retried (and replays) before its
-// function ever runs. A workflow key holds a lease from the start. Params
-// are stored as their canonical bytes (request_params_raw), not as jsonb.
-// A key with a live tombstone (deleted after its TTL) raises AP002 when
-// reject_expired is set (atomicphase_refuse_tombstoned, called only when
-// the probe written out here, planned with the statement, found one);
-// otherwise reused_expired says it was one. The
-// foreign-key seed is stored with the row (migration 00010): the one
-// LookupWorkflowKey read, or if NULL, computed here; so is the id it
-// allotted. When it goes out in one round trip with BEGIN and the first
-// phase's first statement (must_insert), it fails when the key is taken, as
-// TakeSingleKey does, so that the phase's statement never runs; sent on
-// its own (before a Foreign phase that comes first, or by an attempt that
-// lost an insert before), it returns no row instead.
+// takes no SERIALIZABLE predicate lock; a conflicting row committed after
+// the transaction's snapshot raises a serialization failure (retried: the
+// retry's snapshot has it, and returns no row). Params are stored as their
+// canonical bytes (request_params_raw), not as jsonb. A key with a live
+// tombstone (deleted after its TTL) raises AP002 when reject_expired is
+// set (atomicphase_refuse_tombstoned, called only when the probe written
+// out here, planned with the statement, found one); otherwise
+// reused_expired says it was one. The foreign-key seed is stored with the
+// row (migration 00010): the one LookupWorkflowKey read, or if NULL,
+// computed here; so is the id it allotted.
 func (q *Queries) InsertKey(ctx context.Context, arg InsertKeyParams) (InsertKeyRow, error) {
 	row := q.db.QueryRow(ctx, insertKey,
-		arg.MustInsert,
 		arg.ID,
 		arg.Scope,
 		arg.Key,
@@ -497,6 +499,86 @@ func (q *Queries) InsertKey(ctx context.Context, arg InsertKeyParams) (InsertKey
 	return i, err
 }
 
+const insertKeyAtPhase = `-- name: InsertKeyAtPhase :one
+INSERT INTO idempotency_keys (
+    id, scope, key, fingerprint, request_method, request_path, request_params_raw,
+    workflow, recovery_point, phase_results, phase_results_raw, status, lease_token, leased_until,
+    attempts, created_at, last_run_at, foreign_key_seed
+)
+SELECT $1, $2, $3, $4, $5, $6, $7::bytea,
+       $8, $9::text, '{}'::jsonb, '{'::bytea || $10::bytea || '}'::bytea, 'running', $11::uuid,
+       clock_timestamp() + make_interval(secs => $12::float8),
+       1, now(), now(), coalesce($13::bigint, atomicphase_foreign_key_seed($2, $3))
+WHERE NOT $14::boolean
+   OR NOT EXISTS (SELECT FROM idempotency_key_tombstones t
+                  WHERE t.scope = $2 AND t.key_hash = sha256(convert_to($3::text, 'UTF8'))
+                    AND t.expires_at > now())
+   OR atomicphase_refuse_tombstoned($2, $3)
+RETURNING id, ctid,
+    (NOT $14::boolean
+     AND EXISTS (SELECT FROM idempotency_key_tombstones t
+                 WHERE t.scope = $2 AND t.key_hash = sha256(convert_to($3::text, 'UTF8'))
+                   AND t.expires_at > now()))::boolean AS reused_expired
+`
+
+type InsertKeyAtPhaseParams struct {
+	ID            int64
+	Scope         string
+	Key           string
+	Fingerprint   []byte
+	RequestMethod string
+	RequestPath   string
+	RequestParams []byte
+	Workflow      string
+	Phase         string
+	Member        []byte
+	LeaseToken    uuid.UUID
+	LeaseSeconds  float64
+	Seed          pgtype.Int8
+	RejectExpired bool
+}
+
+type InsertKeyAtPhaseRow struct {
+	ID            int64
+	Ctid          pgtype.TID
+	ReusedExpired bool
+}
+
+// Inserts a workflow's key with its first phase's commit, in the
+// transaction that took the key's lock (TakeKeyLock) and holds the
+// phase's writes: running, leased, at the phase's recovery point with its
+// result (member, as CommitPhase's), so that the row is written once where
+// an insert followed by an update of it would write it twice. The id and
+// seed are the ones LookupWorkflowKey allotted. It goes out in one round
+// trip with COMMIT, so it fails rather than insert nothing: a key committed
+// since the lookup (the lock was free by then) raises a unique violation,
+// or a serialization failure when the row is not in the transaction's
+// snapshot, and a key whose tombstone appeared since raises AP002; the
+// error aborts the transaction and makes the pipelined COMMIT a no-op. The
+// lease counts from clock_timestamp(), the time of this statement.
+// reused_expired tells that the key reuses an expired one.
+func (q *Queries) InsertKeyAtPhase(ctx context.Context, arg InsertKeyAtPhaseParams) (InsertKeyAtPhaseRow, error) {
+	row := q.db.QueryRow(ctx, insertKeyAtPhase,
+		arg.ID,
+		arg.Scope,
+		arg.Key,
+		arg.Fingerprint,
+		arg.RequestMethod,
+		arg.RequestPath,
+		arg.RequestParams,
+		arg.Workflow,
+		arg.Phase,
+		arg.Member,
+		arg.LeaseToken,
+		arg.LeaseSeconds,
+		arg.Seed,
+		arg.RejectExpired,
+	)
+	var i InsertKeyAtPhaseRow
+	err := row.Scan(&i.ID, &i.Ctid, &i.ReusedExpired)
+	return i, err
+}
+
 const keyOutcome = `-- name: KeyOutcome :one
 SELECT EXISTS (SELECT FROM idempotency_keys WHERE scope = $1 AND key = $2)::boolean AS stored,
        coalesce(CASE WHEN pg_postmaster_start_time() = $3::timestamptz
@@ -516,10 +598,11 @@ type KeyOutcomeRow struct {
 	Status string
 }
 
-// What a single-phase run that did not end as the library ends it left
-// behind, read on its own once its connection is back: whether (scope, key)
-// has a committed row, and the status of the run's transaction (tx_id and
-// server_started from TakeSingleKey): 'committed', 'aborted', 'in progress'
+// What a single-phase run (or a workflow's first phase, which inserts its
+// key with its commit) that did not end as the library ends it left
+// behind, read on its own once its connection is back: whether (scope,
+// key) has a committed row, and the status of the run's transaction (tx_id and
+// server_started from TakeKeyLock): 'committed', 'aborted', 'in progress'
 // (it still holds the key's lock: LockKey waits for it), or 'unknown' when it
 // cannot be told (no transaction began, or the server is not the one that
 // ran it: restarted, or another after a failover). A run whose function
@@ -624,7 +707,7 @@ type LookupKeyRow struct {
 // The request path's read: everything needed to replay or reject the call.
 // lease_live is judged by the database clock. Always one row: for a missing
 // key, id is NULL and new_id is the id the key will be inserted with
-// (InsertFinishedSingleKey takes it back), so that a run knows its key's
+// (InsertFinishedKey takes it back), so that a run knows its key's
 // id before the insert, which comes after the function; with reject_expired, expired tells whether the key was cleaned
 // up, so that such a retry runs nothing. (The insert checks again, for a
 // key cleaned up between the two.) The tombstone probe is the body of
@@ -828,6 +911,56 @@ func (q *Queries) ReleaseKey(ctx context.Context, arg ReleaseKeyParams) (int64, 
 	return result.RowsAffected(), nil
 }
 
+const takeKeyLock = `-- name: TakeKeyLock :one
+SELECT CASE WHEN $1::boolean
+            THEN 1 / pg_try_advisory_xact_lock(
+                     hashtextextended(length($2::text)::text || ':' || $2::text || $3::text,
+                                      'idempotency_keys'::regclass::oid::bigint))::integer = 1
+            ELSE pg_try_advisory_xact_lock(
+                     hashtextextended(length($2::text)::text || ':' || $2::text || $3::text,
+                                      'idempotency_keys'::regclass::oid::bigint))
+       END::boolean AS taken,
+       pg_current_xact_id()::text::bigint AS xid,
+       pg_postmaster_start_time()::timestamptz AS server_started
+`
+
+type TakeKeyLockParams struct {
+	MustTake bool
+	Scope    string
+	Key      string
+}
+
+type TakeKeyLockRow struct {
+	Taken         bool
+	Xid           int64
+	ServerStarted time.Time
+}
+
+// Takes the key of a single-phase run, or of a workflow's first Atomic
+// phase or Finish, for its transaction: the transaction-scoped advisory
+// lock on (scope, key) that every insert of the key takes (see InsertKey),
+// so that a concurrent attempt gets ErrKeyInUse at once. Nothing is
+// written: the row is inserted once, with the commit (InsertFinishedKey,
+// InsertKeyAtPhase), where an insert followed by an update of its row
+// would write it twice. When it goes out in one round trip with BEGIN and
+// the function's first statement (must_take), it fails
+// (1/0 raises division_by_zero) when the key is held: the error aborts the
+// transaction before the function's statement runs, which could otherwise
+// wait on the rows of the attempt that holds the key. Sent on its own (a
+// run that lost the key before tries again), it returns false instead,
+// which leaves no error in the server's log. The lock is volatile, so no
+// plan folds the division ahead of it. xid is the transaction's id (the run
+// writes its key row, so it would be given one anyway): KeyOutcome asks,
+// after a run that did not end as the library ended it, whether it
+// committed. server_started tells the server's lifetime: after a restart or
+// a failover the same xid may name another transaction.
+func (q *Queries) TakeKeyLock(ctx context.Context, arg TakeKeyLockParams) (TakeKeyLockRow, error) {
+	row := q.db.QueryRow(ctx, takeKeyLock, arg.MustTake, arg.Scope, arg.Key)
+	var i TakeKeyLockRow
+	err := row.Scan(&i.Taken, &i.Xid, &i.ServerStarted)
+	return i, err
+}
+
 const takeOverKey = `-- name: TakeOverKey :one
 UPDATE idempotency_keys
 SET lease_token      = CASE WHEN created_at > now() - make_interval(secs => $1::float8)
@@ -910,54 +1043,5 @@ func (q *Queries) TakeOverKey(ctx context.Context, arg TakeOverKeyParams) (TakeO
 		&i.ResponseHeaders,
 		&i.ResponseBody,
 	)
-	return i, err
-}
-
-const takeSingleKey = `-- name: TakeSingleKey :one
-SELECT CASE WHEN $1::boolean
-            THEN 1 / pg_try_advisory_xact_lock(
-                     hashtextextended(length($2::text)::text || ':' || $2::text || $3::text,
-                                      'idempotency_keys'::regclass::oid::bigint))::integer = 1
-            ELSE pg_try_advisory_xact_lock(
-                     hashtextextended(length($2::text)::text || ':' || $2::text || $3::text,
-                                      'idempotency_keys'::regclass::oid::bigint))
-       END::boolean AS taken,
-       pg_current_xact_id()::text::bigint AS xid,
-       pg_postmaster_start_time()::timestamptz AS server_started
-`
-
-type TakeSingleKeyParams struct {
-	MustTake bool
-	Scope    string
-	Key      string
-}
-
-type TakeSingleKeyRow struct {
-	Taken         bool
-	Xid           int64
-	ServerStarted time.Time
-}
-
-// Takes a single-phase run's key for its transaction: the transaction-scoped
-// advisory lock on (scope, key) that every insert of the key takes (see
-// InsertKey), so that a concurrent attempt gets ErrKeyInUse at once.
-// Nothing is written: the row is inserted once, at the end, finished and
-// with the response (InsertFinishedSingleKey), where an insert followed by
-// an update of its row would write it twice. When it goes out in one round
-// trip with BEGIN and the function's first statement (must_take), it fails
-// (1/0 raises division_by_zero) when the key is held: the error aborts the
-// transaction before the function's statement runs, which could otherwise
-// wait on the rows of the attempt that holds the key. Sent on its own (a
-// run that lost the key before tries again), it returns false instead,
-// which leaves no error in the server's log. The lock is volatile, so no
-// plan folds the division ahead of it. xid is the transaction's id (the run
-// writes its key row, so it would be given one anyway): KeyOutcome asks,
-// after a run that did not end as the library ended it, whether it
-// committed. server_started tells the server's lifetime: after a restart or
-// a failover the same xid may name another transaction.
-func (q *Queries) TakeSingleKey(ctx context.Context, arg TakeSingleKeyParams) (TakeSingleKeyRow, error) {
-	row := q.db.QueryRow(ctx, takeSingleKey, arg.MustTake, arg.Scope, arg.Key)
-	var i TakeSingleKeyRow
-	err := row.Scan(&i.Taken, &i.Xid, &i.ServerStarted)
 	return i, err
 }
