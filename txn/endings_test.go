@@ -789,3 +789,33 @@ func TestFunctionCommitQueuedBehindASlowStatementFailsTheKey(t *testing.T) {
 		})
 	}
 }
+
+// A batch the function left unread is read by the library once the
+// function returned, without running the callbacks queued with its
+// statements: they are the function's code, and a panic in one would
+// escape the call, outside the guard that turns a panic into an error.
+func TestUnreadBatchIsReadWithoutRunningItsCallbacks(t *testing.T) {
+	t.Parallel()
+	for _, entry := range committingEntries {
+		t.Run(entry, func(t *testing.T) {
+			t.Parallel()
+			e := newEnv(t, nil)
+			ctx := ctxT(t)
+			var callbacks atomic.Int64
+			body := func(ctx context.Context, tx pgx.Tx) error {
+				b := &pgx.Batch{}
+				b.Queue(`SELECT 1`).QueryRow(func(pgx.Row) error {
+					callbacks.Add(1)
+					panic("a queued callback ran after the function returned")
+				})
+				_ = tx.SendBatch(ctx, b) // never read nor closed
+				return errInjected
+			}
+			run, _ := entryRun(ctx, e.runner, entry, endingFlow(t, e, entry, body), body)
+			var err error
+			require.NotPanics(t, func() { _, err = run() })
+			require.ErrorIs(t, err, errInjected)
+			require.Zero(t, callbacks.Load())
+		})
+	}
+}

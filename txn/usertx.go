@@ -240,7 +240,7 @@ func (t *userTx) CopyFrom(ctx context.Context, table pgx.Identifier, columns []s
 }
 
 func (t *userTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
-	ub := &userBatch{BatchResults: t.Tx.SendBatch(ctx, b), tx: t}
+	ub := &userBatch{BatchResults: t.Tx.SendBatch(ctx, b), tx: t, batch: b}
 	t.rec.mu.Lock()
 	t.rec.batches = append(t.rec.batches, ub)
 	t.rec.mu.Unlock()
@@ -328,6 +328,7 @@ func (r userRow) Scan(dest ...any) error {
 type userBatch struct {
 	pgx.BatchResults
 	tx        *userTx
+	batch     *pgx.Batch
 	committed pgconn.CommandTag // the tag of a statement that committed (see committed)
 }
 
@@ -362,12 +363,19 @@ func (b *userBatch) Close() error {
 // reading the results it did not: a statement among them may have ended
 // the transaction (a COMMIT the function never read the answer of), which
 // Close's watch then sees. The results are the server's answers to what
-// was sent; reading them changes nothing on the server.
+// was sent; reading them changes nothing on the server. The callbacks user
+// code queued with its statements (QueuedQuery.Exec, Query, QueryRow) are
+// dropped first: they are user code, and must not run once the function
+// returned. Reading waits for the statements still running, bounded by
+// their batch's context (the function's).
 func (t *userTx) closeBatches() {
 	t.rec.mu.Lock()
 	open := slices.Clone(t.rec.batches)
 	t.rec.mu.Unlock()
 	for _, b := range open {
+		for _, q := range b.batch.QueuedQueries {
+			q.Fn = nil
+		}
 		_ = b.Close() // its errors are noted
 	}
 }
