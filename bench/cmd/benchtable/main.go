@@ -75,7 +75,7 @@ func run() error {
 	wmPoll := flag.Duration("watermill-poll", 10*time.Millisecond, "Watermill SQL subscriber poll interval")
 	experiments := flag.Bool("experiments", false, "add rows measuring proposed library changes (they bypass parts of the library)")
 	out := flag.String("out", "", "also write the Markdown report to this file")
-	statements := flag.String("statements", "", "write each cell's pg_stat_statements summary to this file (needs the extension preloaded; for the throwaway cluster add -pg shared_preload_libraries=pg_stat_statements)")
+	statements := flag.String("statements", "", "write each cell's pg_stat_statements summary to this file (needs the extension preloaded; for the throwaway cluster add -pg shared_preload_libraries=pg_stat_statements; its plan ms column needs -pg pg_stat_statements.track_planning=on too)")
 	cpuProfile := flag.String("cpuprofile", "", "write a CPU profile of the whole run to this file")
 	scale := flag.Bool("scale", false, "scale mode: how cost grows with the work (key table size, outbox backlog) instead of the scenarios")
 	scaleKeys := flag.String("scale-keys", "100000,1000000,10000000", "scale mode: finished keys in the table, comma-separated, smallest first (ratios are to the first)")

@@ -11,7 +11,8 @@ import (
 
 // Statement statistics: with pg_stat_statements preloaded on the server
 // (for a throwaway cluster: -pg shared_preload_libraries=pg_stat_statements)
-// and Suite.Statements set, each cell's busiest statements are written there.
+// and Suite.Statements set, each cell's busiest statements are written there,
+// with their mean planning time (0 unless pg_stat_statements.track_planning).
 
 // enableStatements creates the extension if the server preloads it.
 func enableStatements(ctx context.Context, pool *pgxpool.Pool) bool {
@@ -41,7 +42,7 @@ func (s *Suite) dumpStatements(ctx context.Context, pool *pgxpool.Pool, title st
 		return
 	}
 	rows, err := pool.Query(ctx, `
-		SELECT calls, total_exec_time, mean_exec_time, rows, shared_blks_hit + shared_blks_read, wal_bytes, query
+		SELECT calls, total_exec_time, mean_exec_time, total_plan_time / greatest(plans, 1), rows, shared_blks_hit + shared_blks_read, wal_bytes, query
 		FROM pg_stat_statements
 		WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())
 		ORDER BY total_exec_time DESC LIMIT 15`)
@@ -51,13 +52,13 @@ func (s *Suite) dumpStatements(ctx context.Context, pool *pgxpool.Pool, title st
 	}
 	defer rows.Close()
 	w := s.Statements
-	fmt.Fprintf(w, "\n#### %s (%d ops measured)\n\n| calls/op | mean ms | total ms | rows/call | blocks/call | WAL B/call | query |\n|--:|--:|--:|--:|--:|--:|---|\n", title, ops)
+	fmt.Fprintf(w, "\n#### %s (%d ops measured)\n\n| calls/op | mean ms | plan ms | total ms | rows/call | blocks/call | WAL B/call | query |\n|--:|--:|--:|--:|--:|--:|--:|---|\n", title, ops)
 	for rows.Next() {
 		var calls, rws, blks int64
-		var total, mean float64
+		var total, mean, plan float64
 		var wal float64
 		var q string
-		if err := rows.Scan(&calls, &total, &mean, &rws, &blks, &wal, &q); err != nil {
+		if err := rows.Scan(&calls, &total, &mean, &plan, &rws, &blks, &wal, &q); err != nil {
 			fmt.Fprintf(w, "%v\n", err)
 			return
 		}
@@ -69,7 +70,7 @@ func (s *Suite) dumpStatements(ctx context.Context, pool *pgxpool.Pool, title st
 		if ops > 0 {
 			perOp = float64(calls) / float64(ops)
 		}
-		fmt.Fprintf(w, "| %.2f | %.3f | %.0f | %.1f | %.1f | %.0f | `%s` |\n", perOp, mean, total,
+		fmt.Fprintf(w, "| %.2f | %.3f | %.3f | %.0f | %.1f | %.1f | %.0f | `%s` |\n", perOp, mean, plan, total,
 			float64(rws)/float64(max(calls, 1)), float64(blks)/float64(max(calls, 1)), wal/float64(max(calls, 1)), strings.ReplaceAll(q, "|", "\\|"))
 	}
 }
