@@ -45,6 +45,8 @@ type lazyTx struct {
 	again bool   // preparing the first statement failed: run again (errRunAgain)
 	tx    pgx.Tx // set once BEGIN went out
 	err   error  // why the transaction cannot be used
+	ended bool   // rolled back by rollbackAndQuery
+	mode  pgx.QueryExecMode
 }
 
 // statementsRide reports whether, in mode, a user's statement can travel
@@ -90,7 +92,7 @@ type opener struct {
 // conn's default exec mode.
 func newLazyTx(ctx context.Context, conn *pgx.Conn, opts pgx.TxOptions, lead opener, mode pgx.QueryExecMode) *lazyTx {
 	return &lazyTx{
-		conn: conn, ctx: ctx, opts: opts, lead: lead,
+		conn: conn, ctx: ctx, opts: opts, lead: lead, mode: mode,
 		ride: statementsRide(mode, lead),
 		prep: lead.queue != nil && mode == pgx.QueryExecModeCacheStatement,
 	}
@@ -327,13 +329,114 @@ func (l *lazyTx) Commit(ctx context.Context) error {
 // that never did. A first statement the Run prepared is not sent with
 // BEGIN again on this connection when the transaction failed after it ran.
 func (l *lazyTx) Rollback(ctx context.Context) error {
-	if l.tx == nil {
+	if l.tx == nil || l.ended {
 		return nil
 	}
+	l.beforeRollback()
+	return l.tx.Rollback(ctx)
+}
+
+// beforeRollback marks a first statement the Run prepared as not to be
+// sent with BEGIN again on this connection when the transaction failed
+// after it ran.
+func (l *lazyTx) beforeRollback() {
 	if l.first != "" && l.err == nil && l.conn.PgConn().TxStatus() == 'E' {
 		l.forgetFirst()
 	}
-	return l.tx.Rollback(ctx)
+}
+
+// rollbackAndQuery rolls the transaction back and runs the one-row query
+// that queue adds to a batch after the ROLLBACK, in one round trip on the
+// transaction's connection: a read of what the run left behind
+// (KeyOutcome), which on another connection would cost a round trip more.
+// It returns the row's values in text format. ok is false when nothing
+// was sent (no transaction began, or the connection is closed); then, or
+// on an error, Rollback still ends the transaction. The query must not
+// need the transaction: it runs on its own, after it.
+//
+// Nothing is prepared or described: in an aborted transaction (a
+// statement of the function's failed) the server parses nothing but
+// ROLLBACK, and pgx's cache_statement, cache_describe and describe_exec
+// modes would prepare or describe the query ahead of the batch, inside
+// the transaction. So the batch goes out as the exec mode sends it
+// (unnamed statements, text results), or in the simple protocol when that
+// is the connection's mode.
+func (l *lazyTx) rollbackAndQuery(ctx context.Context, queue func(b *pgx.Batch)) (row [][]byte, ok bool, err error) {
+	if l.tx == nil || l.ended || l.conn.IsClosed() {
+		return nil, false, nil
+	}
+	l.beforeRollback()
+	b := &pgx.Batch{}
+	b.Queue("rollback")
+	queue(b)
+	if l.mode == pgx.QueryExecModeSimpleProtocol {
+		row, err = l.rollbackAndQuerySimple(ctx, b)
+	} else {
+		row, err = l.rollbackAndQueryExec(ctx, b)
+	}
+	return row, err == nil, err
+}
+
+// rollbackAndQueryExec sends b's two statements as unnamed ones.
+func (l *lazyTx) rollbackAndQueryExec(ctx context.Context, b *pgx.Batch) ([][]byte, error) {
+	pb := &pgconn.Batch{}
+	for _, q := range b.QueuedQueries {
+		var eqb pgx.ExtendedQueryBuilder
+		if err := eqb.Build(l.conn.TypeMap(), nil, q.Arguments); err != nil {
+			return nil, err
+		}
+		pb.ExecParams(q.SQL, eqb.ParamValues, nil, eqb.ParamFormats, nil) // nil: text results
+	}
+	results, err := l.conn.PgConn().ExecBatch(ctx, pb).ReadAll()
+	if len(results) > 0 && results[0].Err == nil {
+		l.ended = true
+	}
+	switch {
+	case err != nil:
+		return nil, err
+	case len(results) != 2:
+		return nil, fmt.Errorf("rollback and query: %d results", len(results))
+	case results[1].Err != nil:
+		return nil, results[1].Err
+	case len(results[1].Rows) != 1:
+		return nil, fmt.Errorf("rollback and query: %d rows", len(results[1].Rows))
+	}
+	return results[1].Rows[0], nil
+}
+
+// rollbackAndQuerySimple sends b through pgx in the simple protocol, which
+// joins it into one string.
+func (l *lazyTx) rollbackAndQuerySimple(ctx context.Context, b *pgx.Batch) (row [][]byte, err error) {
+	br := l.conn.SendBatch(ctx, b)
+	defer func() {
+		if cerr := br.Close(); err == nil {
+			err = cerr
+		}
+	}()
+	if _, err := br.Exec(); err != nil {
+		return nil, err
+	}
+	l.ended = true
+	rows, err := br.Query()
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	for rows.Next() {
+		if row != nil {
+			return nil, errors.New("rollback and query: more than one row")
+		}
+		for _, v := range rows.RawValues() {
+			row = append(row, append([]byte(nil), v...))
+		}
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	if row == nil {
+		return nil, pgx.ErrNoRows
+	}
+	return row, nil
 }
 
 func (l *lazyTx) CopyFrom(ctx context.Context, table pgx.Identifier, columns []string, src pgx.CopyFromSource) (int64, error) {

@@ -176,10 +176,7 @@ func TestConnAfterAFailedStartWritesNothingWithoutTheKey(t *testing.T) {
 // twin gets ErrKeyInUse at once.
 func TestFirstStatementTravelsOnlyInModesThatPrepareNothing(t *testing.T) {
 	t.Parallel()
-	for _, mode := range []pgx.QueryExecMode{
-		pgx.QueryExecModeCacheStatement, pgx.QueryExecModeCacheDescribe, pgx.QueryExecModeDescribeExec,
-		pgx.QueryExecModeExec, pgx.QueryExecModeSimpleProtocol,
-	} {
+	for _, mode := range allExecModes {
 		t.Run(mode.String(), func(t *testing.T) {
 			t.Parallel()
 			e := newEnv(t, nil)

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net"
 	"net/http"
 	"sync"
 	"sync/atomic"
@@ -151,6 +152,52 @@ func (e *env) countingRunnerIn(t *testing.T, cfg *txn.Config, mode pgx.QueryExec
 	require.NoError(t, pool.Ping(context.Background()))
 	qc.n.Store(0)
 	return r, qc
+}
+
+// allExecModes are pgx's five query exec modes.
+var allExecModes = []pgx.QueryExecMode{
+	pgx.QueryExecModeCacheStatement, pgx.QueryExecModeCacheDescribe, pgx.QueryExecModeDescribeExec,
+	pgx.QueryExecModeExec, pgx.QueryExecModeSimpleProtocol,
+}
+
+// wireRunner returns a runner on a pool of one connection in mode, and a
+// count of the writes made on that connection: one per round trip (pgx
+// writes what a round trip sends at once), including those made on the
+// connection's pgconn directly, which pgx's tracer does not see.
+func (e *env) wireRunner(t *testing.T, mode pgx.QueryExecMode) (*txn.Runner, *atomic.Int64) {
+	t.Helper()
+	var writes atomic.Int64
+	pool := e.NewPool(t, func(c *pgxpool.Config) {
+		c.MaxConns = 1
+		c.ConnConfig.DefaultQueryExecMode = mode
+		dial := c.ConnConfig.DialFunc
+		if dial == nil {
+			var d net.Dialer
+			dial = d.DialContext
+		}
+		c.ConnConfig.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
+			conn, err := dial(ctx, network, addr)
+			if err != nil {
+				return nil, err
+			}
+			return countedConn{Conn: conn, writes: &writes}, nil
+		}
+	})
+	r, err := txn.New(pool, &txn.Config{Workflows: e.reg})
+	require.NoError(t, err)
+	require.NoError(t, pool.Ping(context.Background()))
+	writes.Store(0)
+	return r, &writes
+}
+
+type countedConn struct {
+	net.Conn
+	writes *atomic.Int64
+}
+
+func (c countedConn) Write(b []byte) (int, error) {
+	c.writes.Add(1)
+	return c.Conn.Write(b)
 }
 
 func jsonUnmarshal(b []byte, v any) error { return json.Unmarshal(b, v) }

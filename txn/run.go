@@ -188,8 +188,13 @@ func (r *Runner) runSingle(ctx context.Context, req request, id int64, eager, pr
 	take := db.TakeKeyLockParams{MustTake: !eager, Scope: req.key.Scope, Key: req.key.Value}
 	var xid int64         // the transaction's id, once the key's lock is taken
 	var started time.Time // and the server's start, which tells whose id it is
-	unsure := func(err error) error { return errUnsure{err: err, xid: xid, started: started} }
-	tx := newLazyTx(ctx, conn.Conn(), pgx.TxOptions{IsoLevel: pgx.Serializable}, opener{
+	var tx *lazyTx
+	unsure := func(err error) error {
+		u := errUnsure{err: err, xid: xid, started: started}
+		u.out = r.rollbackAndReadOutcome(ctx, tx, req, u)
+		return u
+	}
+	tx = newLazyTx(ctx, conn.Conn(), pgx.TxOptions{IsoLevel: pgx.Serializable}, opener{
 		queue: func(b *pgx.Batch) { _, _ = db.New(pgbatch.Queue{B: b}).TakeKeyLock(ctx, take) },
 		read: func(br pgx.BatchResults) error {
 			row, err := db.New(pgbatch.Results{BR: br}).TakeKeyLock(ctx, take)
@@ -239,7 +244,7 @@ func (r *Runner) runSingle(ctx context.Context, req request, id int64, eager, pr
 	}
 	if !r.cfg.Store(resp.Status) {
 		resp.Replayed = false
-		return resp, false, unsure(nil) // rolled back by the deferred rollback
+		return resp, false, unsure(nil) // rolled back with the outcome's read, or by the deferred rollback
 	}
 	header, err := resp.encodedHeader()
 	if err != nil {

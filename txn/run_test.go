@@ -15,6 +15,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
+	"github.com/atomicphase/atomicphase/internal/pgerr"
 	"github.com/atomicphase/atomicphase/txn"
 )
 
@@ -817,4 +818,90 @@ func TestKeyIDTakenAfterAFailoverIsUnavailable(t *testing.T) {
 	require.NoError(t, err, "the retry")
 	require.Equal(t, 201, resp.Status)
 	require.Equal(t, int64(1), f.prov.calls.Load())
+}
+
+// A Run that stores nothing (its function failed, or answered with a
+// response Config.Store does not store) must still find out whether a
+// twin stored the key meanwhile, or whether the function committed its
+// transaction itself (see KeyOutcome). That read goes out with the
+// ROLLBACK, on the run's own connection, without preparing or describing
+// anything (in an aborted transaction the server would parse nothing but
+// ROLLBACK): in every exec mode such a Run costs no more round trips than
+// a Run that stores its response, and leaves nothing behind. A function
+// whose statement failed costs, in the modes with a statement cache, what
+// pgx adds after a failed statement: preparing it again next time (3
+// round trips in cache_statement, which also deallocates it, and 1 in
+// cache_describe).
+func TestRunThatStoresNothingReadsTheOutcomeWithItsRollback(t *testing.T) {
+	t.Parallel()
+	const insert = `INSERT INTO charges (ref, amount) VALUES ($1, 1)`
+	kinds := []struct {
+		name string
+		fn   txn.Func
+	}{
+		{"stored", func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+			_, err := tx.Exec(ctx, insert, "c")
+			return txn.Response{Status: 201}, err
+		}},
+		{"unstored_response", func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+			_, err := tx.Exec(ctx, insert, "c")
+			return txn.Response{Status: 422, Body: []byte(`{"error":"amount"}`)}, err
+		}},
+		{"function_error", func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+			if _, err := tx.Exec(ctx, insert, "c"); err != nil {
+				return txn.Response{}, err
+			}
+			return txn.Response{}, errors.New("provider said no")
+		}},
+		{"failed_statement", func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+			_, err := tx.Exec(ctx, insert, nil) // ref is NOT NULL
+			return txn.Response{}, err
+		}},
+	}
+	reprepare := map[pgx.QueryExecMode]int64{pgx.QueryExecModeCacheStatement: 3, pgx.QueryExecModeCacheDescribe: 1}
+	for _, mode := range allExecModes {
+		t.Run(mode.String(), func(t *testing.T) {
+			t.Parallel()
+			e := newEnv(t, nil)
+			ctx := ctxT(t)
+			r, writes := e.wireRunner(t, mode)
+			cost := map[string]int64{}
+			for i, k := range kinds {
+				// The third run of each kind, once pgx caches what it
+				// caches on the connection.
+				for n := range 3 {
+					before := writes.Load()
+					resp, err := r.Run(ctx, chargeKey(fmt.Sprintf("k%d-%d", i, n), 1), k.fn)
+					cost[k.name] = writes.Load() - before
+					switch k.name {
+					case "stored":
+						require.NoError(t, err)
+						require.Equal(t, 201, resp.Status)
+					case "unstored_response":
+						require.NoError(t, err)
+						require.Equal(t, 422, resp.Status)
+						require.False(t, resp.Replayed)
+					case "function_error":
+						require.ErrorContains(t, err, "provider said no")
+					case "failed_statement":
+						require.Equal(t, "23502", pgerr.Code(err), "%v", err)
+					}
+				}
+			}
+			t.Logf("round trips: %v", cost)
+			require.LessOrEqual(t, cost["unstored_response"], cost["stored"])
+			require.LessOrEqual(t, cost["function_error"], cost["stored"])
+			require.LessOrEqual(t, cost["failed_statement"], cost["stored"]+reprepare[mode])
+			require.Equal(t, 3, e.Count(t, `SELECT count(*) FROM charges`), "the stored runs' rows only")
+			require.Equal(t, 3, e.Count(t, `SELECT count(*) FROM idempotency_keys`), "the stored runs' keys only")
+
+			// The connection went back to the pool idle: the next Run on a
+			// key that stored nothing runs it as new.
+			var calls atomic.Int64
+			resp, err := r.Run(ctx, chargeKey("k1-0", 1), insertCharge(&calls, "c2", 1))
+			require.NoError(t, err)
+			require.Equal(t, 201, resp.Status)
+			require.Equal(t, int64(1), calls.Load())
+		})
+	}
 }

@@ -6,7 +6,10 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+
 	"github.com/atomicphase/atomicphase/internal/db"
+	"github.com/atomicphase/atomicphase/internal/pgbatch"
 	"github.com/atomicphase/atomicphase/internal/pgerr"
 )
 
@@ -14,13 +17,18 @@ import (
 // that is not stored) that may not mean what it says, with the run's
 // transaction id (0 if none began); Runner.run settles it (settleUnsure)
 // once the run's connection is back in the pool, so that a pool of one
-// connection does not wait on itself. A workflow's first phase, which
-// inserts its key with its commit, is settled the same way (see
-// Attempt.txOnce).
+// connection does not wait on itself. What settling reads, a Run reads
+// with its ROLLBACK when it can (rollbackAndReadOutcome). A workflow's
+// first phase, which inserts its key with its commit, is settled the same
+// way, reading on the pool (see Attempt.txOnce).
 type errUnsure struct {
 	err     error
 	xid     int64     // the transaction's id
 	started time.Time // the start of the server that gave it
+	// out is KeyOutcome as read with the run's ROLLBACK, on its own
+	// connection (rollbackAndReadOutcome); nil when it could not be, and
+	// settleUnsure reads it on the pool.
+	out *db.KeyOutcomeRow
 }
 
 func (e errUnsure) Error() string {
@@ -61,8 +69,14 @@ func (r *Runner) settleUnsure(ctx context.Context, req request, workflow string,
 	// even when the caller has gone.
 	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.ReleaseTimeout)
 	defer cancel()
-	params := db.KeyOutcomeParams{Scope: req.key.Scope, Key: req.key.Value, ServerStarted: u.started, TxID: u.xid}
-	out, err := r.q.KeyOutcome(sctx, params)
+	params := u.outcomeParams(req)
+	var out db.KeyOutcomeRow
+	var err error
+	if u.out != nil {
+		out = *u.out
+	} else {
+		out, err = r.q.KeyOutcome(sctx, params)
+	}
 	waited := false
 	if err == nil && out.Status == "in progress" {
 		// Still running on the server (statements fn left queued behind a
@@ -104,4 +118,35 @@ func (r *Runner) settleUnsure(ctx context.Context, req request, workflow string,
 		// not replicate is lost with it).
 		return out.Stored, false
 	}
+}
+
+func (u errUnsure) outcomeParams(req request) db.KeyOutcomeParams {
+	return db.KeyOutcomeParams{Scope: req.key.Scope, Key: req.key.Value, ServerStarted: u.started, TxID: u.xid}
+}
+
+// rollbackAndReadOutcome rolls back a run that is to be settled
+// (settleUnsure) and reads KeyOutcome in the same round trip, on the run's
+// connection: by then the server has run every statement the function
+// left queued on it, so the transaction's status is final (short of a
+// PREPARE TRANSACTION, which settleUnsure waits for as before). It returns
+// nil when the read could not ride (no transaction began, the connection
+// is gone, or the round trip failed): the run's deferred rollback then
+// ends the transaction and settleUnsure reads on the pool, once the
+// connection is back. Bounded by ReleaseTimeout, not by the caller's
+// context: the outcome must be found when the caller has gone too.
+func (r *Runner) rollbackAndReadOutcome(ctx context.Context, tx *lazyTx, req request, u errUnsure) *db.KeyOutcomeRow {
+	if tx == nil || u.xid == 0 {
+		return nil
+	}
+	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.ReleaseTimeout)
+	defer cancel()
+	params := u.outcomeParams(req)
+	row, ok, err := tx.rollbackAndQuery(rctx, func(b *pgx.Batch) {
+		_, _ = db.New(pgbatch.Queue{B: b}).KeyOutcome(rctx, params)
+	})
+	if !ok || err != nil || len(row) != 2 {
+		return nil
+	}
+	// Text format: KeyOutcome's stored (bool) and status (text).
+	return &db.KeyOutcomeRow{Stored: string(row[0]) == "t", Status: string(row[1])}
 }
