@@ -71,6 +71,10 @@ type Attempt struct {
 	atCommit bool
 	xid      int64
 	started  time.Time
+	// outcome: KeyOutcome, read with the ROLLBACK of a first phase that
+	// ended with its function's error (rollbackAndReadOutcome); nil when
+	// settleUnsure is to read it on the pool.
+	outcome *db.KeyOutcomeRow
 	// noPrepare: preparing a phase's first statement failed once (see
 	// errRunAgain); the attempt's later transactions prepare nothing.
 	noPrepare     bool

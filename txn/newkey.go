@@ -182,8 +182,9 @@ func (a *Attempt) inTx(ctx context.Context, insert keyInsert, body func(tx *lazy
 // key is then the answer (errRaced), not that error.
 func (a *Attempt) txOnce(ctx context.Context, insert keyInsert, body func(tx *lazyTx) (func(q *db.Queries) error, error)) error {
 	a.atCommit = !a.stored && insert == insertAtCommit
-	a.xid, a.started = 0, time.Time{}
+	a.xid, a.started, a.outcome = 0, time.Time{}, nil
 	err, fromBody := a.txOnConn(ctx, insert, body)
+	unsure := errUnsure{err: err, xid: a.xid, started: a.started, out: a.outcome}
 	switch {
 	case errors.Is(err, errEndedBySQL):
 		// What fn wrote before may have committed (with the key's insert,
@@ -193,10 +194,10 @@ func (a *Attempt) txOnce(ctx context.Context, insert keyInsert, body func(tx *la
 		if !a.atCommit {
 			a.r.failEndedKey(ctx, a.req, a.workflow, a.keyID(), a.nullToken())
 		} else {
-			a.r.settleUnsure(ctx, a.req, a.workflow, a.newID, errUnsure{err: err, xid: a.xid, started: a.started})
+			a.r.settleUnsure(ctx, a.req, a.workflow, a.newID, unsure)
 		}
-	case fromBody && a.atCommit && !errors.Is(err, errRaced) && !errors.Is(err, errRunAgain) && !pgerr.IsRetryable(err):
-		replay, committed := a.r.settleUnsure(ctx, a.req, a.workflow, a.newID, errUnsure{err: err, xid: a.xid, started: a.started})
+	case fromBody && a.atCommit && unsettled(err):
+		replay, committed := a.r.settleUnsure(ctx, a.req, a.workflow, a.newID, unsure)
 		switch {
 		case replay:
 			a.raced = true
@@ -207,6 +208,15 @@ func (a *Attempt) txOnce(ctx context.Context, insert keyInsert, body func(tx *la
 		}
 	}
 	return err
+}
+
+// unsettled reports whether a first phase that was to insert its key at
+// its commit, and ended with err from its body, may have run on a
+// snapshot taken before a twin committed the key (or committed itself):
+// txOnce then settles it. Lost keys, runs to go again and serialization
+// failures are answered by the retry's own lookup.
+func unsettled(err error) bool {
+	return !errors.Is(err, errRaced) && !errors.Is(err, errRunAgain) && !pgerr.IsRetryable(err)
 }
 
 // txOnConn runs body's transaction once on a connection of its own;
@@ -238,6 +248,10 @@ func (a *Attempt) txOnConn(ctx context.Context, insert keyInsert, body func(tx *
 	if err != nil {
 		if !a.stored {
 			a.id = idBefore // rolled back: nothing of this insert is left to release
+		}
+		if a.atCommit && unsettled(err) {
+			// txOnce settles it: read what that needs with the ROLLBACK.
+			a.outcome = a.r.rollbackAndReadOutcome(ctx, tx, a.req, errUnsure{xid: a.xid, started: a.started})
 		}
 		return err, true
 	}

@@ -1370,3 +1370,45 @@ func TestReleaseAfterAnAmbiguousCommitDoesNotRecordForeignResultsTwice(t *testin
 	require.False(t, k.LeaseHeld)
 	require.Equal(t, `{"p1":1,"f":"ch","p3":3}`, storedResults(t, e, "k1"))
 }
+
+// A workflow's first phase that ends with its function's error inserted
+// no key (the row goes in with its commit), but must find out whether a
+// twin stored the key meanwhile, or whether the function committed the
+// transaction itself: that read goes out with the ROLLBACK, on the phase's
+// own connection. The attempt costs 3 round trips in the exec mode (the
+// lookup; BEGIN with the key's lock and the phase's statement; ROLLBACK
+// with the read), leaves nothing behind, and a retry runs the phase anew.
+func TestWorkflowFirstPhaseErrorReadsTheOutcomeWithItsRollback(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	var runs atomic.Int64
+	wf := txn.NewWorkflow("fails_first", func(ctx context.Context, a *txn.Attempt) (txn.Response, error) {
+		n := runs.Add(1)
+		if _, err := txn.Atomic(ctx, a, "charge_row", func(ctx context.Context, tx pgx.Tx) (int64, error) {
+			if _, err := tx.Exec(ctx, `INSERT INTO charges (ref, amount) VALUES ($1, 1)`, "c"+strconv.FormatInt(n, 10)); err != nil {
+				return 0, err
+			}
+			if n == 1 {
+				return 0, errInjected
+			}
+			return n, nil
+		}); err != nil {
+			return txn.Response{}, err
+		}
+		return a.Finish(ctx, func(context.Context, pgx.Tx) (txn.Response, error) { return txn.Response{Status: 201}, nil })
+	})
+	require.NoError(t, e.reg.Register(wf))
+	r, writes := e.wireRunner(t, pgx.QueryExecModeExec)
+	before := writes.Load()
+	_, err := r.RunWorkflow(ctx, rideKey("k1"), wf)
+	require.ErrorIs(t, err, errInjected)
+	require.Equal(t, int64(3), writes.Load()-before, "round trips")
+	require.Zero(t, e.Count(t, `SELECT count(*) FROM charges`))
+	require.Zero(t, e.Count(t, `SELECT count(*) FROM idempotency_keys`))
+
+	resp, err := r.RunWorkflow(ctx, rideKey("k1"), wf)
+	require.NoError(t, err)
+	require.Equal(t, 201, resp.Status)
+	require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM charges WHERE ref = 'c2'`))
+}
