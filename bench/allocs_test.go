@@ -137,6 +137,30 @@ func BenchmarkRun(b *testing.B) {
 	}
 }
 
+// BenchmarkRunRejected is one Run of a new key whose function writes its
+// row and then answers 422, a response Config.Store does not store: the
+// writes are rolled back and no key is left, after the read that tells
+// whether a twin stored the key meanwhile.
+func BenchmarkRunRejected(b *testing.B) {
+	r := runner(b, nil)
+	ctx := context.Background()
+	b.ReportAllocs()
+	for b.Loop() {
+		k := freshKey()
+		resp, err := r.Run(ctx, key(k), func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+			if _, err := tx.Exec(ctx, insertRow, k, 1, 100); err != nil {
+				return txn.Response{}, err
+			}
+			return txn.Response{Status: 422, Body: rejectedBody}, nil
+		})
+		if err != nil || resp.Status != 422 {
+			b.Fatal(err, resp.Status)
+		}
+	}
+}
+
+var rejectedBody = []byte(`{"error":"amount too large"}`)
+
 // BenchmarkReplay is one Run of a finished key: the stored response, replayed.
 func BenchmarkReplay(b *testing.B) {
 	r := runner(b, nil)
@@ -204,6 +228,7 @@ func TestAllocsBaseline(t *testing.T) {
 	}{
 		{"BenchmarkBareTx", BenchmarkBareTx},
 		{"BenchmarkRun", BenchmarkRun},
+		{"BenchmarkRunRejected", BenchmarkRunRejected},
 		{"BenchmarkReplay", BenchmarkReplay},
 		{"BenchmarkWorkflow", BenchmarkWorkflow},
 	}
