@@ -347,43 +347,53 @@ func (l *lazyTx) beforeRollback() {
 
 // rollbackAndQuery rolls the transaction back and runs the one-row query
 // that queue adds to a batch after the ROLLBACK, in one round trip on the
-// transaction's connection: a read of what the run left behind
-// (KeyOutcome), which on another connection would cost a round trip more.
-// It returns the row's values in text format. ok is false when nothing
-// was sent (no transaction began, or the connection is closed); then, or
-// on an error, Rollback still ends the transaction. The query must not
-// need the transaction: it runs on its own, after it.
+// transaction's connection, handing its row to scan: a read of what the
+// run left behind (KeyOutcome), which on another connection would cost a
+// round trip more. ok is false when nothing was sent (no transaction
+// began, or the connection is closed); then, or on an error, Rollback
+// still ends the transaction. The query must not need the transaction: it
+// runs on its own, after it.
 //
-// Nothing is prepared or described: in an aborted transaction (a
-// statement of the function's failed) the server parses nothing but
-// ROLLBACK, and pgx's cache_statement, cache_describe and describe_exec
-// modes would prepare or describe the query ahead of the batch, inside
-// the transaction. So the batch goes out as the exec mode sends it
-// (unnamed statements, text results), or in the simple protocol when that
-// is the connection's mode.
-func (l *lazyTx) rollbackAndQuery(ctx context.Context, queue func(b *pgx.Batch)) (row [][]byte, ok bool, err error) {
+// In an aborted transaction (a statement of the function's failed) the
+// server parses nothing but ROLLBACK, and pgx's cache_statement,
+// cache_describe and describe_exec modes prepare or describe a statement
+// they have not cached in a round trip ahead of the batch, inside the
+// transaction. There the batch goes out as unnamed statements, as the exec
+// mode sends it; everywhere else as pgx sends a batch in the connection's
+// mode (the query prepared once per connection, in the modes that cache).
+func (l *lazyTx) rollbackAndQuery(ctx context.Context, queue func(b *pgx.Batch), scan func(row pgx.Row) error) (ok bool, err error) {
 	if l.tx == nil || l.ended || l.conn.IsClosed() {
-		return nil, false, nil
+		return false, nil
 	}
 	l.beforeRollback()
 	b := &pgx.Batch{}
 	b.Queue("rollback")
 	queue(b)
-	if l.mode == pgx.QueryExecModeSimpleProtocol {
-		row, err = l.rollbackAndQuerySimple(ctx, b)
-	} else {
-		row, err = l.rollbackAndQueryExec(ctx, b)
+	switch l.mode {
+	case pgx.QueryExecModeCacheStatement, pgx.QueryExecModeCacheDescribe, pgx.QueryExecModeDescribeExec:
+		if l.conn.PgConn().TxStatus() == 'E' {
+			return l.rollbackAndQueryUnnamed(ctx, b, scan)
+		}
 	}
-	return row, err == nil, err
+	br := l.conn.SendBatch(ctx, b)
+	if _, err = br.Exec(); err == nil {
+		l.ended = true
+		err = scan(br.QueryRow())
+	}
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	return err == nil, err
 }
 
-// rollbackAndQueryExec sends b's two statements as unnamed ones.
-func (l *lazyTx) rollbackAndQueryExec(ctx context.Context, b *pgx.Batch) ([][]byte, error) {
+// rollbackAndQueryUnnamed sends b's two statements as unnamed ones, so that
+// nothing is parsed before the ROLLBACK has run.
+func (l *lazyTx) rollbackAndQueryUnnamed(ctx context.Context, b *pgx.Batch, scan func(row pgx.Row) error) (bool, error) {
 	pb := &pgconn.Batch{}
 	for _, q := range b.QueuedQueries {
 		var eqb pgx.ExtendedQueryBuilder
 		if err := eqb.Build(l.conn.TypeMap(), nil, q.Arguments); err != nil {
-			return nil, err
+			return false, err
 		}
 		pb.ExecParams(q.SQL, eqb.ParamValues, nil, eqb.ParamFormats, nil) // nil: text results
 	}
@@ -393,50 +403,35 @@ func (l *lazyTx) rollbackAndQueryExec(ctx context.Context, b *pgx.Batch) ([][]by
 	}
 	switch {
 	case err != nil:
-		return nil, err
+		return false, err
 	case len(results) != 2:
-		return nil, fmt.Errorf("rollback and query: %d results", len(results))
-	case results[1].Err != nil:
-		return nil, results[1].Err
+		return false, fmt.Errorf("rollback and query: %d results", len(results))
 	case len(results[1].Rows) != 1:
-		return nil, fmt.Errorf("rollback and query: %d rows", len(results[1].Rows))
+		return false, fmt.Errorf("rollback and query: %w (%d rows)", pgx.ErrNoRows, len(results[1].Rows))
 	}
-	return results[1].Rows[0], nil
+	if err := scan(resultRow{m: l.conn.TypeMap(), res: results[1]}); err != nil {
+		return false, err
+	}
+	return true, nil
 }
 
-// rollbackAndQuerySimple sends b through pgx in the simple protocol, which
-// joins it into one string.
-func (l *lazyTx) rollbackAndQuerySimple(ctx context.Context, b *pgx.Batch) (row [][]byte, err error) {
-	br := l.conn.SendBatch(ctx, b)
-	defer func() {
-		if cerr := br.Close(); err == nil {
-			err = cerr
-		}
-	}()
-	if _, err := br.Exec(); err != nil {
-		return nil, err
+// resultRow is the one row of a pgconn.Result, scanned as pgx scans.
+type resultRow struct {
+	m   *pgtype.Map
+	res *pgconn.Result
+}
+
+func (r resultRow) Scan(dest ...any) error {
+	fields, values := r.res.FieldDescriptions, r.res.Rows[0]
+	if len(dest) != len(fields) {
+		return fmt.Errorf("scan: %d columns, %d destinations", len(fields), len(dest))
 	}
-	l.ended = true
-	rows, err := br.Query()
-	if err != nil {
-		return nil, err
-	}
-	defer rows.Close()
-	for rows.Next() {
-		if row != nil {
-			return nil, errors.New("rollback and query: more than one row")
-		}
-		for _, v := range rows.RawValues() {
-			row = append(row, append([]byte(nil), v...))
+	for i, f := range fields {
+		if err := r.m.Scan(f.DataTypeOID, f.Format, values[i], dest[i]); err != nil {
+			return fmt.Errorf("scan column %q: %w", f.Name, err)
 		}
 	}
-	if err := rows.Err(); err != nil {
-		return nil, err
-	}
-	if row == nil {
-		return nil, pgx.ErrNoRows
-	}
-	return row, nil
+	return nil
 }
 
 func (l *lazyTx) CopyFrom(ctx context.Context, table pgx.Identifier, columns []string, src pgx.CopyFromSource) (int64, error) {

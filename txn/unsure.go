@@ -141,12 +141,15 @@ func (r *Runner) rollbackAndReadOutcome(ctx context.Context, tx *lazyTx, req req
 	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.ReleaseTimeout)
 	defer cancel()
 	params := u.outcomeParams(req)
-	row, ok, err := tx.rollbackAndQuery(rctx, func(b *pgx.Batch) {
+	var out db.KeyOutcomeRow
+	ok, err := tx.rollbackAndQuery(rctx, func(b *pgx.Batch) {
 		_, _ = db.New(pgbatch.Queue{B: b}).KeyOutcome(rctx, params)
+	}, func(row pgx.Row) (err error) {
+		out, err = db.New(pgbatch.Row{R: row}).KeyOutcome(rctx, params)
+		return err
 	})
-	if !ok || err != nil || len(row) != 2 {
+	if !ok || err != nil {
 		return nil
 	}
-	// Text format: KeyOutcome's stored (bool) and status (text).
-	return &db.KeyOutcomeRow{Stored: string(row[0]) == "t", Status: string(row[1])}
+	return &out
 }

@@ -55,6 +55,24 @@ func (r Results) Query(context.Context, string, ...any) (pgx.Rows, error) { retu
 // QueryRow reads the next result as one row.
 func (r Results) QueryRow(context.Context, string, ...any) pgx.Row { return r.BR.QueryRow() }
 
+// Row is a db.DBTX whose QueryRow returns R, a row read some other way:
+// db.New(pgbatch.Row{R: r}).SomeQuery(ctx, ...) scans r as SomeQuery's
+// result. Only queries that return one row can use it.
+type Row struct{ R pgx.Row }
+
+// Exec is not supported.
+func (Row) Exec(context.Context, string, ...any) (pgconn.CommandTag, error) {
+	return pgconn.CommandTag{}, errors.New("pgbatch.Row holds one row, not a command")
+}
+
+// Query is not supported.
+func (Row) Query(context.Context, string, ...any) (pgx.Rows, error) {
+	return nil, errors.New("pgbatch.Row holds one row, not rows")
+}
+
+// QueryRow returns R.
+func (r Row) QueryRow(context.Context, string, ...any) pgx.Row { return r.R }
+
 // Begin starts a transaction on conn with the statements queue adds to the
 // batch, all in one round trip. It returns the open transaction and the
 // batch's results, positioned at the first queued statement's: the caller
