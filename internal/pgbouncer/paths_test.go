@@ -24,6 +24,7 @@ import (
 	"github.com/atomicphase/atomicphase/httpidem"
 	"github.com/atomicphase/atomicphase/internal/connstr"
 	"github.com/atomicphase/atomicphase/internal/pgbouncer"
+	"github.com/atomicphase/atomicphase/internal/pgerr"
 	"github.com/atomicphase/atomicphase/internal/pgtest"
 	"github.com/atomicphase/atomicphase/outbox"
 	"github.com/atomicphase/atomicphase/recovery"
@@ -82,6 +83,7 @@ func TestPublicPathsThroughPgBouncerInTransactionMode(t *testing.T) {
 // path.
 func exercise(t *testing.T, newTarget func(*testing.T) target) {
 	t.Run("run", func(t *testing.T) { runExactlyOnce(t, newTarget(t)) })
+	t.Run("run_stored_nothing", func(t *testing.T) { runStoredNothing(t, newTarget(t)) })
 	t.Run("workflow_resumer_relay", func(t *testing.T) { workflowResumedAndRelayed(t, newTarget(t)) })
 	t.Run("httpidem", func(t *testing.T) { httpReplays(t, newTarget(t)) })
 	t.Run("cleaner", func(t *testing.T) {
@@ -153,6 +155,40 @@ func runExactlyOnce(t *testing.T, tg target) {
 	_, err = runner.Run(ctx, key, fn)
 	require.ErrorIs(t, err, txn.ErrKeyReused)
 	require.Equal(t, 1, tg.d.Count(t, `SELECT count(*) FROM orders`), "fn's write committed once")
+}
+
+// runStoredNothing: a Run whose function answers 422 (not stored), and one
+// whose statement fails (an aborted transaction), leave no key and no row,
+// and their connection goes back idle: the read that settles them rides
+// with their ROLLBACK, and must work through PgBouncer too. Several times,
+// since pgx caches what it prepares or describes after the first.
+func runStoredNothing(t *testing.T, tg target) {
+	ctx := context.Background()
+	sqlExec(t, tg.d, `CREATE TABLE orders (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, sku text NOT NULL)`)
+	runner, err := txn.New(tg.pool, &txn.Config{Logger: quiet})
+	require.NoError(t, err)
+	key := txn.Key{Scope: "acct_1", Value: "order-r", Method: "POST", Path: "/orders", Params: []byte(`{"sku": "tea"}`)}
+	insert := func(sku any, status int) txn.Func {
+		return func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+			if _, err := tx.Exec(ctx, `INSERT INTO orders (sku) VALUES ($1)`, sku); err != nil {
+				return txn.Response{}, err
+			}
+			return txn.Response{Status: status}, nil
+		}
+	}
+	for range 3 {
+		resp, err := runner.Run(ctx, key, insert("tea", http.StatusUnprocessableEntity))
+		require.NoError(t, err)
+		require.Equal(t, http.StatusUnprocessableEntity, resp.Status)
+		_, err = runner.Run(ctx, key, insert(nil, http.StatusCreated))
+		require.Equal(t, "23502", pgerr.Code(err), "%v", err)
+	}
+	require.Zero(t, tg.d.Count(t, `SELECT count(*) FROM orders`))
+	require.Zero(t, tg.d.Count(t, `SELECT count(*) FROM idempotency_keys`))
+	resp, err := runner.Run(ctx, key, insert("tea", http.StatusCreated))
+	require.NoError(t, err)
+	require.Equal(t, http.StatusCreated, resp.Status)
+	require.Equal(t, 1, tg.d.Count(t, `SELECT count(*) FROM orders`))
 }
 
 var errProviderDown = errors.New("provider timed out")
