@@ -45,7 +45,7 @@ type lazyTx struct {
 	again bool   // preparing the first statement failed: run again (errRunAgain)
 	tx    pgx.Tx // set once BEGIN went out
 	err   error  // why the transaction cannot be used
-	ended bool   // rolled back by rollbackAndQuery
+	ended bool   // ended by a batch's COMMIT or ROLLBACK (end), not through tx
 	mode  pgx.QueryExecMode
 }
 
@@ -325,11 +325,17 @@ func (l *lazyTx) Commit(ctx context.Context) error {
 	return l.tx.Commit(ctx)
 }
 
-// Rollback rolls back a transaction that began, and is a no-op for one
-// that never did. A first statement the Run prepared is not sent with
-// BEGIN again on this connection when the transaction failed after it ran.
+// Rollback rolls back a transaction that began, and sends nothing for one
+// that never did; either way the transaction is over (lazyTx.end): a tx a
+// function kept does not begin another on a connection back in the pool.
+// A first statement the Run prepared is not sent with BEGIN again on this
+// connection when the transaction failed after it ran.
 func (l *lazyTx) Rollback(ctx context.Context) error {
-	if l.tx == nil || l.ended {
+	if l.ended {
+		return nil
+	}
+	defer l.end()
+	if l.tx == nil {
 		return nil
 	}
 	l.beforeRollback()
@@ -342,6 +348,20 @@ func (l *lazyTx) Rollback(ctx context.Context) error {
 func (l *lazyTx) beforeRollback() {
 	if l.first != "" && l.err == nil && l.conn.PgConn().TxStatus() == 'E' {
 		l.forgetFirst()
+	}
+}
+
+// end records that a batch the library sent ended the transaction (the
+// COMMIT of commitWith, the ROLLBACK of rollbackAndQuery), which pgx's tx
+// does not see: from then on the transaction refuses every statement
+// (pgx.ErrTxClosed), as a pgx.Tx does once it is committed or rolled back,
+// so that a function that kept it cannot run a statement on its own,
+// outside any transaction, on a connection back in the pool; and Rollback
+// sends nothing.
+func (l *lazyTx) end() {
+	l.ended = true
+	if l.err == nil {
+		l.err = pgx.ErrTxClosed
 	}
 }
 
@@ -377,7 +397,7 @@ func (l *lazyTx) rollbackAndQuery(ctx context.Context, queue func(b *pgx.Batch),
 	}
 	br := l.conn.SendBatch(ctx, b)
 	if _, err = br.Exec(); err == nil {
-		l.ended = true
+		l.end()
 		err = scan(br.QueryRow())
 	}
 	if cerr := br.Close(); err == nil {
@@ -399,7 +419,7 @@ func (l *lazyTx) rollbackAndQueryUnnamed(ctx context.Context, b *pgx.Batch, scan
 	}
 	results, err := l.conn.PgConn().ExecBatch(ctx, pb).ReadAll()
 	if len(results) > 0 && results[0].Err == nil {
-		l.ended = true
+		l.end()
 	}
 	switch {
 	case err != nil:

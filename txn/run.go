@@ -283,9 +283,9 @@ func (r *Runner) runSingle(ctx context.Context, req request, id int64, eager, pr
 // the way the key row's fenced updates fail when the row is not where the
 // attempt left it, gives errRowMoved. tx must run on a connection the
 // caller acquired (not a pool transaction, which would wait for its own
-// Commit to release the connection); on success tx is committed and must
-// not be used again.
-func commitWith(ctx context.Context, tx pgx.Tx, stmt func(q *db.Queries) error) error {
+// Commit to release the connection); on success tx is committed and
+// refuses every statement (lazyTx.end).
+func commitWith(ctx context.Context, tx *lazyTx, stmt func(q *db.Queries) error) error {
 	b := &pgx.Batch{}
 	if err := stmt(db.New(pgbatch.Queue{B: b})); err != nil {
 		return err
@@ -309,6 +309,7 @@ func commitWith(ctx context.Context, tx pgx.Tx, stmt func(q *db.Queries) error) 
 	if tag.String() == "ROLLBACK" {
 		return fmt.Errorf("commit: %w", pgx.ErrTxCommitRollback)
 	}
+	tx.end()
 	return nil
 }
 

@@ -64,7 +64,15 @@ var errEndedBySQL = fmt.Errorf("%w: the function ended the transaction itself (C
 // when the statement's command tag says it committed (COMMIT AND CHAIN,
 // after which the connection is in a new transaction; tag is empty where
 // pgx gives none).
+//
+// Once the library ended the transaction (lazyTx.end), the connection is
+// no longer the transaction's: it may be back in the pool, another call's.
+// A statement on a kept tx is then refused (pgx.ErrTxClosed), and nothing
+// is closed.
 func (t *userTx) watch(tag pgconn.CommandTag) {
+	if t.root != nil && t.root.ended {
+		return
+	}
 	pc := t.pgConn()
 	if pc == nil || pc.IsClosed() || pc.IsBusy() || pc.TxStatus() != 'I' && !committed(tag) {
 		return

@@ -255,3 +255,70 @@ func TestFunctionEndingItsTransactionThroughSQLFailsTheKeyAndRunsNothingMore(t *
 		}
 	}
 }
+
+// A function that keeps its tx and uses it after its Run ended writes
+// nothing: whatever the Run's end (stored, not stored, the function's error,
+// a failed statement; a workflow's first phase the same), the transaction is
+// over and its tx says so (pgx.ErrTxClosed), where a statement would
+// otherwise run on its own, outside any transaction, on a connection back
+// in the pool, and commit without the key.
+func TestTxKeptByTheFunctionIsClosedAfterTheRun(t *testing.T) {
+	t.Parallel()
+	const insert = `INSERT INTO charges (ref, amount) VALUES ($1, 1)`
+	ends := map[string]func(ctx context.Context, tx pgx.Tx) (txn.Response, error){
+		"stored": func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+			_, err := tx.Exec(ctx, insert, "in_fn")
+			return txn.Response{Status: 201}, err
+		},
+		"unstored_response": func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+			_, err := tx.Exec(ctx, insert, "in_fn")
+			return txn.Response{Status: 422}, err
+		},
+		"function_error": func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+			if _, err := tx.Exec(ctx, insert, "in_fn"); err != nil {
+				return txn.Response{}, err
+			}
+			return txn.Response{}, errInjected
+		},
+		"failed_statement": func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+			_, err := tx.Exec(ctx, insert, nil)
+			return txn.Response{}, err
+		},
+		"no_statement": func(context.Context, pgx.Tx) (txn.Response, error) {
+			return txn.Response{}, errInjected
+		},
+	}
+	for name, end := range ends {
+		for _, entry := range []string{"run", "workflow_first_phase"} {
+			t.Run(name+"/"+entry, func(t *testing.T) {
+				t.Parallel()
+				e := newEnv(t, nil)
+				ctx := ctxT(t)
+				var kept pgx.Tx
+				keep := func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+					kept = tx
+					return end(ctx, tx)
+				}
+				if entry == "run" {
+					_, _ = e.runner.Run(ctx, chargeKey("k1", 1), keep)
+				} else {
+					wf := txn.NewWorkflow("kept", func(ctx context.Context, a *txn.Attempt) (txn.Response, error) {
+						resp, err := txn.Atomic(ctx, a, "first", func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+							return keep(ctx, tx)
+						})
+						if err != nil {
+							return txn.Response{}, err
+						}
+						return a.Finish(ctx, func(context.Context, pgx.Tx) (txn.Response, error) { return resp, nil })
+					})
+					require.NoError(t, e.reg.Register(wf))
+					_, _ = e.runner.RunWorkflow(ctx, rideKey("k1"), wf)
+				}
+				require.NotNil(t, kept)
+				_, err := kept.Exec(ctx, insert, "after_return")
+				require.ErrorIs(t, err, pgx.ErrTxClosed)
+				require.Zero(t, e.Count(t, `SELECT count(*) FROM charges WHERE ref = 'after_return'`))
+			})
+		}
+	}
+}
