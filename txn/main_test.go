@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -164,12 +165,17 @@ var allExecModes = []pgx.QueryExecMode{
 // count of the writes made on that connection: one per round trip (pgx
 // writes what a round trip sends at once), including those made on the
 // connection's pgconn directly, which pgx's tracer does not see.
-func (e *env) wireRunner(t *testing.T, mode pgx.QueryExecMode) (*txn.Runner, *atomic.Int64) {
+//
+// settledOnThePool counts the KeyOutcome reads made on their own (not in a
+// batch with a ROLLBACK): the fallback of a run that could not read its
+// outcome on its own connection.
+func (e *env) wireRunner(t *testing.T, mode pgx.QueryExecMode) (r *txn.Runner, writes, settledOnThePool *atomic.Int64) {
 	t.Helper()
-	var writes atomic.Int64
+	writes, settledOnThePool = new(atomic.Int64), new(atomic.Int64)
 	pool := e.NewPool(t, func(c *pgxpool.Config) {
 		c.MaxConns = 1
 		c.ConnConfig.DefaultQueryExecMode = mode
+		c.ConnConfig.Tracer = outcomeReads{settledOnThePool}
 		dial := c.ConnConfig.DialFunc
 		if dial == nil {
 			var d net.Dialer
@@ -180,15 +186,28 @@ func (e *env) wireRunner(t *testing.T, mode pgx.QueryExecMode) (*txn.Runner, *at
 			if err != nil {
 				return nil, err
 			}
-			return countedConn{Conn: conn, writes: &writes}, nil
+			return countedConn{Conn: conn, writes: writes}, nil
 		}
 	})
 	r, err := txn.New(pool, &txn.Config{Workflows: e.reg})
 	require.NoError(t, err)
 	require.NoError(t, pool.Ping(context.Background()))
 	writes.Store(0)
-	return r, &writes
+	return r, writes, settledOnThePool
 }
+
+// outcomeReads counts the statements sent on their own that read a key's
+// outcome (KeyOutcome).
+type outcomeReads struct{ n *atomic.Int64 }
+
+func (o outcomeReads) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
+	if strings.Contains(d.SQL, "name: KeyOutcome ") {
+		o.n.Add(1)
+	}
+	return ctx
+}
+
+func (outcomeReads) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
 
 type countedConn struct {
 	net.Conn

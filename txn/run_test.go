@@ -864,7 +864,7 @@ func TestRunThatStoresNothingReadsTheOutcomeWithItsRollback(t *testing.T) {
 			t.Parallel()
 			e := newEnv(t, nil)
 			ctx := ctxT(t)
-			r, writes := e.wireRunner(t, mode)
+			r, writes, settledOnThePool := e.wireRunner(t, mode)
 			cost := map[string]int64{}
 			for i, k := range kinds {
 				// The third run of each kind, once pgx caches what it
@@ -892,6 +892,7 @@ func TestRunThatStoresNothingReadsTheOutcomeWithItsRollback(t *testing.T) {
 			require.LessOrEqual(t, cost["unstored_response"], cost["stored"])
 			require.LessOrEqual(t, cost["function_error"], cost["stored"])
 			require.LessOrEqual(t, cost["failed_statement"], cost["stored"]+reprepare[mode])
+			require.Zero(t, settledOnThePool.Load(), "every outcome was read with its run's ROLLBACK")
 			require.Equal(t, 3, e.Count(t, `SELECT count(*) FROM charges`), "the stored runs' rows only")
 			require.Equal(t, 3, e.Count(t, `SELECT count(*) FROM idempotency_keys`), "the stored runs' keys only")
 

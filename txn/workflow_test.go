@@ -1399,11 +1399,12 @@ func TestWorkflowFirstPhaseErrorReadsTheOutcomeWithItsRollback(t *testing.T) {
 		return a.Finish(ctx, func(context.Context, pgx.Tx) (txn.Response, error) { return txn.Response{Status: 201}, nil })
 	})
 	require.NoError(t, e.reg.Register(wf))
-	r, writes := e.wireRunner(t, pgx.QueryExecModeExec)
+	r, writes, settledOnThePool := e.wireRunner(t, pgx.QueryExecModeExec)
 	before := writes.Load()
 	_, err := r.RunWorkflow(ctx, rideKey("k1"), wf)
 	require.ErrorIs(t, err, errInjected)
 	require.Equal(t, int64(3), writes.Load()-before, "round trips")
+	require.Zero(t, settledOnThePool.Load(), "the outcome was read with the ROLLBACK")
 	require.Zero(t, e.Count(t, `SELECT count(*) FROM charges`))
 	require.Zero(t, e.Count(t, `SELECT count(*) FROM idempotency_keys`))
 
