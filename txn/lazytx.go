@@ -45,7 +45,7 @@ type lazyTx struct {
 	again bool   // preparing the first statement failed: run again (errRunAgain)
 	tx    pgx.Tx // set once BEGIN went out
 	err   error  // why the transaction cannot be used
-	ended bool   // ended by a batch's COMMIT or ROLLBACK (end), not through tx
+	ended bool   // the library ended the transaction (end)
 	mode  pgx.QueryExecMode
 }
 
@@ -351,9 +351,9 @@ func (l *lazyTx) beforeRollback() {
 	}
 }
 
-// end records that a batch the library sent ended the transaction (the
-// COMMIT of commitWith, the ROLLBACK of rollbackAndQuery), which pgx's tx
-// does not see: from then on the transaction refuses every statement
+// end records that the library ended the transaction: the COMMIT of
+// commitWith or the ROLLBACK of rollbackAndQuery (batches pgx's tx does not
+// see), or Rollback. From then on the transaction refuses every statement
 // (pgx.ErrTxClosed), as a pgx.Tx does once it is committed or rolled back,
 // so that a function that kept it cannot run a statement on its own,
 // outside any transaction, on a connection back in the pool; and Rollback

@@ -20,7 +20,7 @@ import (
 // connection does not wait on itself. What settling reads, a Run reads
 // with its ROLLBACK when it can (rollbackAndReadOutcome). A workflow's
 // first phase, which inserts its key with its commit, is settled the same
-// way, reading on the pool (see Attempt.txOnce).
+// way (see Attempt.txOnce and Attempt.outcome).
 type errUnsure struct {
 	err     error
 	xid     int64     // the transaction's id
