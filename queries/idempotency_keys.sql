@@ -283,8 +283,13 @@ RETURNING ctid, recovery_point, phase_results, phase_results_raw, attempts, fore
 
 -- Fenced updates. The lease holder addresses its row by ctid (a TID scan
 -- locks only the tuple, where an index scan would take a predicate lock on
--- a whole btree page shared with unrelated keys) and by id and lease token:
--- no row means the row moved (see LocateHeldKey) or the lease was lost.
+-- a whole btree page shared with unrelated keys), by id and lease token, and
+-- by point, the recovery point of its last commit: no row means the row
+-- moved (see LocateHeldKey), the lease was lost, or the key is not at the
+-- attempt's last commit. The last is a failover that lost that commit,
+-- whose key may be back in the same slot with the same token (a version
+-- from before the commit, rewritten there): without the point, a later
+-- phase would commit over the missing one.
 
 -- name: CommitPhase :one
 -- Records a committed phase in the phase's own transaction: member is
@@ -306,6 +311,7 @@ SET recovery_point = @phase::text,
     leased_until = clock_timestamp() + make_interval(secs => @lease_seconds::float8),
     last_run_at = now()
 WHERE ctid = @tid AND id = @id AND lease_token = @lease_token AND status = 'running'
+  AND recovery_point = @point::text
 RETURNING ctid
 )
 SELECT (SELECT ctid FROM updated)::tid AS ctid, (1 / (SELECT count(*) FROM updated))::integer AS found;
@@ -341,6 +347,7 @@ SET recovery_point = CASE WHEN coalesce(length(@member::bytea), 0) = 0 THEN reco
                             THEN NULL ELSE now() END,
     last_run_at = now()
 WHERE ctid = @tid AND id = @id AND lease_token = @lease_token AND status = 'running'
+  AND recovery_point = @point::text
 RETURNING ctid, (status = 'failed')::boolean AS failed, response_status, response_headers, response_body;
 
 -- name: LocateHeldKey :one
@@ -372,7 +379,7 @@ SET status = 'finished',
     lease_token = NULL,
     leased_until = NULL
 WHERE ctid = @tid AND id = @id AND lease_token IS NOT DISTINCT FROM sqlc.narg(lease_token)::uuid
-  AND status = 'running'
+  AND status = 'running' AND recovery_point = @point::text
 RETURNING ctid
 )
 SELECT (SELECT ctid FROM updated)::tid AS ctid, (1 / (SELECT count(*) FROM updated))::integer AS found;

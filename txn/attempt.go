@@ -356,7 +356,7 @@ func (a *Attempt) extendLease(ctx context.Context, name string) error {
 	sent := time.Now()
 	tid, err := a.fenced(ctx, func(tid pgtype.TID) (pgtype.TID, error) {
 		row, err := a.r.q.ExtendLease(ctx, db.ExtendLeaseParams{
-			Tid: tid, ID: a.id, LeaseToken: a.nullToken(), LeaseSeconds: a.r.cfg.LeaseDuration.Seconds(),
+			Tid: tid, ID: a.id, LeaseToken: a.nullToken(), Point: a.point, LeaseSeconds: a.r.cfg.LeaseDuration.Seconds(),
 			MaxAgeSeconds: a.r.cfg.MaxAge.Seconds(), FailureStatus: failure.Status,
 			FailureHeaders: failure.Header, FailureBody: a.r.maxAgeBody,
 			Member: a.pending, Phase: a.pendingPoint,
@@ -430,7 +430,7 @@ func (a *Attempt) phaseStmt(ctx context.Context, name string, raw []byte, tid *p
 	}
 	return func(q *db.Queries) error {
 		// Read now: a first phase's key insert may have gone out after fn.
-		params.Tid, params.ID = a.tid, a.id
+		params.Tid, params.ID, params.Point = a.tid, a.id, a.point
 		row, err := q.CommitPhase(ctx, params)
 		*tid = row.Ctid
 		if err != nil {
@@ -580,7 +580,8 @@ var errNotStored = errors.New("response not stored")
 
 // finishParams is the fenced FinishKey that writes the terminal response
 // and releases the lease, with the results of foreign calls not committed
-// yet, at the attempt's last known ctid.
+// yet, at the attempt's last known ctid; the caller sets Point, the
+// attempt's last commit, when it sends it.
 func (a *Attempt) finishParams(resp Response, point string) (db.FinishKeyParams, error) {
 	if err := resp.validate(); err != nil {
 		return db.FinishKeyParams{}, err
@@ -618,7 +619,7 @@ func (a *Attempt) storeStmt(ctx context.Context, resp Response, point string) (f
 	}
 	return func(q *db.Queries) error {
 		// Read now: a key insert may have gone out after the statement was built.
-		params.Tid, params.ID = a.tid, a.id
+		params.Tid, params.ID, params.Point = a.tid, a.id, a.point
 		_, err := q.FinishKey(ctx, params)
 		return err
 	}, nil
@@ -631,7 +632,7 @@ func (a *Attempt) storeAlone(ctx context.Context, resp Response, point string) e
 		return err
 	}
 	_, err = a.fenced(ctx, func(tid pgtype.TID) (pgtype.TID, error) {
-		params.Tid = tid
+		params.Tid, params.Point = tid, a.point
 		row, err := a.r.q.FinishKey(ctx, params)
 		return row.Ctid, err
 	})

@@ -6,6 +6,7 @@ import (
 	"encoding/binary"
 	"encoding/hex"
 	"encoding/json"
+	"fmt"
 	"net/http"
 	"strings"
 	"sync"
@@ -552,6 +553,68 @@ func TestAttemptStopsWhenAPhaseItCommittedIsLost(t *testing.T) {
 	require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM charges WHERE amount = 2`))
 	require.Len(t, keys, 2, "the call on the hole, and the retry's")
 	require.Equal(t, keys[0], keys[1], "the provider got the same foreign key twice: one effect")
+}
+
+// A failover to an asynchronous standby lost the commit of phase "first",
+// and on the new primary the key's version from before that commit (same
+// id, same lease token, recovery point "started") sits in the very slot
+// (ctid) where the lost commit's version was: a resumer's claim rewrote it
+// there, say. The attempt addresses its row by ctid, id and token; the
+// recovery point must be part of that fence too, or Finish commits over the
+// hole: a finished key without the phase. Here the slot is reproduced by
+// truncating the table and filling it back up to that slot.
+func TestFenceRefusesAnOlderVersionOfTheKeyInTheSameSlot(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := ctxT(t)
+	var firstRuns atomic.Int64
+	lose := true
+	wf := txn.NewWorkflow("same_slot", func(ctx context.Context, a *txn.Attempt) (txn.Response, error) {
+		id, err := txn.Atomic(ctx, a, "first", func(ctx context.Context, tx pgx.Tx) (int64, error) {
+			return firstRuns.Add(1), nil
+		})
+		if err != nil {
+			return txn.Response{}, err
+		}
+		if lose {
+			lose = false
+			var block, slot int
+			require.NoError(t, e.Pool.QueryRow(ctx,
+				`SELECT (ctid::text::point)[0]::int, (ctid::text::point)[1]::int FROM idempotency_keys`).Scan(&block, &slot))
+			require.Zero(t, block)
+			_, err := e.Pool.Exec(ctx, fmt.Sprintf(`
+				CREATE TABLE hole_saved AS SELECT * FROM idempotency_keys;
+				UPDATE hole_saved SET recovery_point = 'started', phase_results_raw = NULL;
+				CREATE TABLE hole_fill AS SELECT s.* FROM hole_saved AS s, generate_series(1, %d);
+				UPDATE hole_fill SET key = key || '-fill-' || (ctid::text::point)[1]::int,
+				                     id = id + 1000 + (ctid::text::point)[1]::int;
+				TRUNCATE idempotency_keys;
+				INSERT INTO idempotency_keys SELECT * FROM hole_fill;
+				INSERT INTO idempotency_keys SELECT * FROM hole_saved;`, slot-1))
+			require.NoError(t, err)
+			var now int
+			require.NoError(t, e.Pool.QueryRow(ctx,
+				`SELECT (ctid::text::point)[1]::int FROM idempotency_keys WHERE key = 'k1'`).Scan(&now))
+			require.Equal(t, slot, now, "the older version is in the lost commit's slot")
+		}
+		return a.Finish(ctx, func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+			if _, err := tx.Exec(ctx, `INSERT INTO charges (ref, amount) VALUES ('ride', $1)`, id); err != nil {
+				return txn.Response{}, err
+			}
+			return txn.JSON(201, map[string]int64{"first": id})
+		})
+	})
+	require.NoError(t, e.reg.Register(wf))
+	_, err := e.runner.RunWorkflow(ctx, rideKey("k1"), wf)
+	require.ErrorIs(t, err, txn.ErrLeaseLost)
+	require.Zero(t, e.Count(t, `SELECT count(*) FROM charges`), "nothing committed over the hole")
+	require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM idempotency_keys WHERE key = 'k1' AND status = 'running' AND recovery_point = 'started' AND lease_token IS NULL`),
+		"the key still before the lost phase; the lease given back")
+
+	resp, err := e.runner.RunWorkflow(ctx, rideKey("k1"), wf)
+	require.NoError(t, err)
+	require.JSONEq(t, `{"first":2}`, string(resp.Body), "the retry runs the lost phase again")
+	require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM charges WHERE amount = 2`))
 }
 
 // A first attempt that has run for more than half its lease, or half of

@@ -26,6 +26,7 @@ SET recovery_point = $1::text,
     leased_until = clock_timestamp() + make_interval(secs => $3::float8),
     last_run_at = now()
 WHERE ctid = $4 AND id = $5 AND lease_token = $6 AND status = 'running'
+  AND recovery_point = $7::text
 RETURNING ctid
 )
 SELECT (SELECT ctid FROM updated)::tid AS ctid, (1 / (SELECT count(*) FROM updated))::integer AS found
@@ -38,6 +39,7 @@ type CommitPhaseParams struct {
 	Tid          pgtype.TID
 	ID           int64
 	LeaseToken   uuid.NullUUID
+	Point        string
 }
 
 type CommitPhaseRow struct {
@@ -47,8 +49,13 @@ type CommitPhaseRow struct {
 
 // Fenced updates. The lease holder addresses its row by ctid (a TID scan
 // locks only the tuple, where an index scan would take a predicate lock on
-// a whole btree page shared with unrelated keys) and by id and lease token:
-// no row means the row moved (see LocateHeldKey) or the lease was lost.
+// a whole btree page shared with unrelated keys), by id and lease token, and
+// by point, the recovery point of its last commit: no row means the row
+// moved (see LocateHeldKey), the lease was lost, or the key is not at the
+// attempt's last commit. The last is a failover that lost that commit,
+// whose key may be back in the same slot with the same token (a version
+// from before the commit, rewritten there): without the point, a later
+// phase would commit over the missing one.
 // Records a committed phase in the phase's own transaction: member is
 // `"name":result`, the JSON-encoded name and the result's exact bytes
 // (preceded by the members of foreign calls made since the last commit,
@@ -66,6 +73,7 @@ func (q *Queries) CommitPhase(ctx context.Context, arg CommitPhaseParams) (Commi
 		arg.Tid,
 		arg.ID,
 		arg.LeaseToken,
+		arg.Point,
 	)
 	var i CommitPhaseRow
 	err := row.Scan(&i.Ctid, &i.Found)
@@ -124,6 +132,7 @@ SET recovery_point = CASE WHEN coalesce(length($1::bytea), 0) = 0 THEN recovery_
                             THEN NULL ELSE now() END,
     last_run_at = now()
 WHERE ctid = $8 AND id = $9 AND lease_token = $10 AND status = 'running'
+  AND recovery_point = $11::text
 RETURNING ctid, (status = 'failed')::boolean AS failed, response_status, response_headers, response_body
 `
 
@@ -138,6 +147,7 @@ type ExtendLeaseParams struct {
 	Tid            pgtype.TID
 	ID             int64
 	LeaseToken     uuid.NullUUID
+	Point          string
 }
 
 type ExtendLeaseRow struct {
@@ -165,6 +175,7 @@ func (q *Queries) ExtendLease(ctx context.Context, arg ExtendLeaseParams) (Exten
 		arg.Tid,
 		arg.ID,
 		arg.LeaseToken,
+		arg.Point,
 	)
 	var i ExtendLeaseRow
 	err := row.Scan(
@@ -238,7 +249,7 @@ SET status = 'finished',
     lease_token = NULL,
     leased_until = NULL
 WHERE ctid = $6 AND id = $7 AND lease_token IS NOT DISTINCT FROM $8::uuid
-  AND status = 'running'
+  AND status = 'running' AND recovery_point = $9::text
 RETURNING ctid
 )
 SELECT (SELECT ctid FROM updated)::tid AS ctid, (1 / (SELECT count(*) FROM updated))::integer AS found
@@ -253,6 +264,7 @@ type FinishKeyParams struct {
 	Tid             pgtype.TID
 	ID              int64
 	LeaseToken      uuid.NullUUID
+	Point           string
 }
 
 type FinishKeyRow struct {
@@ -274,6 +286,7 @@ func (q *Queries) FinishKey(ctx context.Context, arg FinishKeyParams) (FinishKey
 		arg.Tid,
 		arg.ID,
 		arg.LeaseToken,
+		arg.Point,
 	)
 	var i FinishKeyRow
 	err := row.Scan(&i.Ctid, &i.Found)
