@@ -267,10 +267,12 @@ func runAtomic[T any](ctx context.Context, a *Attempt, name string, fn func(ctx 
 // created the key and its last commit began less than half a LeaseDuration
 // ago (and less than half of MaxAge after the attempt began): then the
 // lease is known to be held for at least half a LeaseDuration more, and
-// the key to be younger than MaxAge, and fn is called at once. If the key
-// is older than Config.MaxAge, fn is not called: the key is failed with a
-// stored problem response, which becomes the workflow's answer. A Foreign
-// phase that comes first inserts the key before the call.
+// the key to be younger than MaxAge, and a read (no commit) only checks
+// that the key row still holds this attempt's token and last phase; with
+// Config.FailoverKeepsCommits, not even that. If the key is older than
+// Config.MaxAge, fn is not called: the key is failed with a stored problem
+// response, which becomes the workflow's answer. A Foreign phase that comes
+// first inserts the key before the call.
 func Foreign[T any](ctx context.Context, a *Attempt, name string, fn func(ctx context.Context, foreignKey string) (T, error)) (T, error) {
 	if v, done, err := startPhase[T](a, name, fn == nil); done {
 		return v, err
@@ -289,15 +291,20 @@ func runForeign[T any](ctx context.Context, a *Attempt, name string, fn func(ctx
 			return zero, fmt.Errorf("txn: phase %q: %w", name, err)
 		}
 	}
-	// A lease set by this attempt's last commit, not long ago, is held: no
-	// round trip before the call. A failover that lost that commit is
-	// found by the next one (its fenced statement finds the key behind
-	// it): the call made meanwhile is repeated by the retry under the same
-	// foreign key, as after any crash. A read here could not prevent it,
-	// only narrow the window: the commit can be lost just after the read.
-	if !a.leaseFresh() {
+	switch {
+	case !a.leaseFresh():
 		if err := a.extendLease(ctx, name); err != nil {
 			return zero, err
+		}
+	case !a.r.cfg.FailoverKeepsCommits:
+		// The lease set by this attempt's last commit is held, but a
+		// failover to an asynchronous standby may have lost that commit:
+		// a read (no commit) makes sure the key is where this attempt
+		// left it before a call is built on it. A commit lost after the
+		// read is found by the next one, whose fence checks the recovery
+		// point.
+		if err := a.relocate(ctx); err != nil {
+			return zero, fmt.Errorf("txn: phase %q: check lease: %w", name, err)
 		}
 	}
 	if err := ctx.Err(); err != nil {

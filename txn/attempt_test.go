@@ -489,70 +489,84 @@ func TestFinishRejectionBeforeAnyPhaseRollsBackAndLeavesNoKey(t *testing.T) {
 // A phase this attempt committed can vanish while the attempt holds the
 // lease: a failover to an asynchronous standby that had not received the
 // commit, where the key row (with the attempt's lease, committed earlier)
-// survives. The attempt must not build on the hole: its next commit finds
-// the key's recovery point behind its own and stops (ErrLeaseLost, 409)
-// with nothing of it committed, giving the lease back; the retry resumes
-// from the key's recovery point and runs the lost phase again.
+// survives. The attempt must not build on the hole: by default the read
+// before the foreign call finds the key's recovery point behind its own
+// and stops (ErrLeaseLost, 409) before calling out, giving the lease back;
+// the retry resumes from the key's recovery point and runs the lost phase
+// again.
 //
-// The foreign call between the lost commit and the next one is made: no
-// read before it could prevent that (a failover just after such a read
-// loses the commit all the same), so the guarantee is the foreign key, the
-// same on the retry, which makes the repeated call one the provider
-// deduplicates (rule 8).
+// With Config.FailoverKeepsCommits (a promise that no failover loses a
+// commit, broken here) the call is made; the next commit finds the hole
+// and commits nothing over it, and the retry calls the provider again
+// under the same foreign key.
 func TestAttemptStopsWhenAPhaseItCommittedIsLost(t *testing.T) {
 	t.Parallel()
-	e := newEnv(t, nil)
-	ctx := ctxT(t)
-	var firstRuns atomic.Int64
-	var mu sync.Mutex
-	var keys []string
-	lose := true
-	wf := txn.NewWorkflow("lossy", func(ctx context.Context, a *txn.Attempt) (txn.Response, error) {
-		id, err := txn.Atomic(ctx, a, "first", func(ctx context.Context, tx pgx.Tx) (int64, error) {
-			return firstRuns.Add(1), nil
-		})
-		if err != nil {
-			return txn.Response{}, err
-		}
-		if lose {
-			lose = false
-			// The server now holds the key as it was before "first"
-			// committed: recovery point, results and lease as inserted.
-			_, err := e.Pool.Exec(ctx, `UPDATE idempotency_keys SET recovery_point = 'started', phase_results_raw = NULL`)
-			require.NoError(t, err)
-		}
-		if _, err := txn.Foreign(ctx, a, "charge", func(ctx context.Context, fk string) (string, error) {
-			mu.Lock()
-			defer mu.Unlock()
-			keys = append(keys, fk)
-			return "ch", nil
-		}); err != nil {
-			return txn.Response{}, err
-		}
-		return a.Finish(ctx, func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
-			if _, err := tx.Exec(ctx, `INSERT INTO charges (ref, amount) VALUES ('ride', $1)`, id); err != nil {
-				return txn.Response{}, err
+	for _, keeps := range []bool{false, true} {
+		t.Run(fmt.Sprintf("failover_keeps_commits=%v", keeps), func(t *testing.T) {
+			t.Parallel()
+			e := newEnv(t, &txn.Config{FailoverKeepsCommits: keeps})
+			ctx := ctxT(t)
+			var firstRuns atomic.Int64
+			var mu sync.Mutex
+			var keys []string
+			lose := true
+			wf := txn.NewWorkflow("lossy", func(ctx context.Context, a *txn.Attempt) (txn.Response, error) {
+				id, err := txn.Atomic(ctx, a, "first", func(ctx context.Context, tx pgx.Tx) (int64, error) {
+					return firstRuns.Add(1), nil
+				})
+				if err != nil {
+					return txn.Response{}, err
+				}
+				if lose {
+					lose = false
+					// The server now holds the key as it was before "first"
+					// committed: recovery point, results and lease as inserted.
+					_, err := e.Pool.Exec(ctx, `UPDATE idempotency_keys SET recovery_point = 'started', phase_results_raw = NULL`)
+					require.NoError(t, err)
+				}
+				if _, err := txn.Foreign(ctx, a, "charge", func(ctx context.Context, fk string) (string, error) {
+					mu.Lock()
+					defer mu.Unlock()
+					keys = append(keys, fk)
+					return "ch", nil
+				}); err != nil {
+					return txn.Response{}, err
+				}
+				return a.Finish(ctx, func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+					if _, err := tx.Exec(ctx, `INSERT INTO charges (ref, amount) VALUES ('ride', $1)`, id); err != nil {
+						return txn.Response{}, err
+					}
+					return txn.JSON(201, map[string]int64{"first": id})
+				})
+			})
+			require.NoError(t, e.reg.Register(wf))
+			_, err := e.runner.RunWorkflow(ctx, rideKey("k1"), wf)
+			require.ErrorIs(t, err, txn.ErrLeaseLost)
+			if keeps {
+				require.Len(t, keys, 1, "the call is made on top of the lost commit")
+			} else {
+				require.Empty(t, keys, "no foreign call on top of the lost commit, though the lease is fresh")
 			}
-			return txn.JSON(201, map[string]int64{"first": id})
-		})
-	})
-	require.NoError(t, e.reg.Register(wf))
-	_, err := e.runner.RunWorkflow(ctx, rideKey("k1"), wf)
-	require.ErrorIs(t, err, txn.ErrLeaseLost)
-	require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM idempotency_keys WHERE status = 'running' AND recovery_point = 'started' AND lease_token IS NULL AND phase_results_raw IS NULL`),
-		"nothing built on the hole, the foreign result included; the lease given back")
-	require.Zero(t, e.Count(t, `SELECT count(*) FROM charges`), "the final phase committed nothing")
+			require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM idempotency_keys WHERE status = 'running' AND recovery_point = 'started' AND lease_token IS NULL AND phase_results_raw IS NULL`),
+				"nothing built on the hole, no foreign result either; the lease given back")
+			require.Zero(t, e.Count(t, `SELECT count(*) FROM charges`), "the final phase committed nothing")
 
-	resp, err := e.runner.RunWorkflow(ctx, rideKey("k1"), wf)
-	require.NoError(t, err, "the retry runs at once")
-	require.Equal(t, 201, resp.Status)
-	require.JSONEq(t, `{"first":2}`, string(resp.Body), "the lost phase ran again")
-	var results []byte
-	require.NoError(t, e.Pool.QueryRow(ctx, `SELECT phase_results_raw FROM idempotency_keys`).Scan(&results))
-	require.JSONEq(t, `{"first":2,"charge":"ch"}`, string(results))
-	require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM charges WHERE amount = 2`))
-	require.Len(t, keys, 2, "the call on the hole, and the retry's")
-	require.Equal(t, keys[0], keys[1], "the provider got the same foreign key twice: one effect")
+			resp, err := e.runner.RunWorkflow(ctx, rideKey("k1"), wf)
+			require.NoError(t, err, "the retry runs at once")
+			require.Equal(t, 201, resp.Status)
+			require.JSONEq(t, `{"first":2}`, string(resp.Body), "the lost phase ran again")
+			var results []byte
+			require.NoError(t, e.Pool.QueryRow(ctx, `SELECT phase_results_raw FROM idempotency_keys`).Scan(&results))
+			require.JSONEq(t, `{"first":2,"charge":"ch"}`, string(results))
+			require.Equal(t, 1, e.Count(t, `SELECT count(*) FROM charges WHERE amount = 2`))
+			if keeps {
+				require.Len(t, keys, 2)
+				require.Equal(t, keys[0], keys[1], "the provider got the same foreign key twice")
+			} else {
+				require.Len(t, keys, 1)
+			}
+		})
+	}
 }
 
 // A failover to an asynchronous standby lost the commit of phase "first",

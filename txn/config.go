@@ -57,6 +57,21 @@ type Config struct {
 	// Default: LeaseDurationDefault (90 seconds).
 	LeaseDuration time.Duration
 
+	// FailoverKeepsCommits declares that no failover of the database loses
+	// a commit the primary acknowledged: every server that can be promoted
+	// receives each commit before it is acknowledged (synchronous
+	// replication with synchronous_commit on or remote_apply, or storage
+	// replicated synchronously), or there is no standby at all. A
+	// workflow's first attempt then calls out right after the commit that
+	// set its lease. Left false, it first reads the key (one round trip per
+	// such Foreign phase) to make sure that commit is still there: after a
+	// failover to an asynchronous standby that lost it, the retry runs the
+	// lost phase again, possibly with another result, and a call built on
+	// the lost one would have sent the provider the same foreign key with
+	// other parameters. The attempt's next commit finds a lost commit
+	// either way, and commits nothing over it. Default: false.
+	FailoverKeepsCommits bool
+
 	// MaxRetries is how many times a phase is retried after a serialization
 	// failure (40001) or a deadlock (40P01) before ErrConflict.
 	// Default: MaxRetriesDefault (8).

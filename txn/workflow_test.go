@@ -897,39 +897,50 @@ func keyWrites(t *testing.T, e *env) func() int {
 
 // Atomic → Foreign → Finish commits twice on its first attempt: the key
 // with the first phase, the foreign result with the final phase; no commit
-// of its own for the key, the lease check or the foreign result.
+// of its own for the key, the lease check or the foreign result. Round
+// trips: the read; BEGIN with the key insert and the phase's insert (in
+// pgx's default mode once the connection prepared that insert: see
+// TestWorkflowFirstPhaseTakesTheKeyWithItsFirstStatement); the phase record
+// with COMMIT; the check before the call (a read, unless
+// Config.FailoverKeepsCommits); BEGIN with the final phase's insert; the
+// response with COMMIT.
 func TestWorkflowFirstAttemptCommitsTwice(t *testing.T) {
 	t.Parallel()
-	e := newEnv(t, nil)
-	ctx := ctxT(t)
-	writes := keyWrites(t, e)
-	r, qc := e.countingRunnerIn(t, nil, pgx.QueryExecModeExec)
-	f := newRideFlow(t, e.reg, "ride")
+	for _, c := range []struct {
+		name                 string
+		failoverKeepsCommits bool
+		roundTrips           int64
+	}{
+		{"default", false, 6},
+		{"failover_keeps_commits", true, 5},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			e := newEnv(t, nil)
+			ctx := ctxT(t)
+			writes := keyWrites(t, e)
+			r, qc := e.countingRunnerIn(t, &txn.Config{Workflows: e.reg, FailoverKeepsCommits: c.failoverKeepsCommits}, pgx.QueryExecModeExec)
+			f := newRideFlow(t, e.reg, "ride")
 
-	resp, err := r.RunWorkflow(ctx, rideKey("k1"), f.wf)
-	require.NoError(t, err)
-	require.Equal(t, 201, resp.Status)
-	require.Equal(t, 2, writes(), "transactions that wrote the key")
-	require.Equal(t, int64(1), f.prov.calls.Load())
-	k := readKey(t, e.Pool, "user_1", "k1")
-	require.Equal(t, "finished", k.Status)
-	require.False(t, k.LeaseHeld)
-	require.Equal(t, `{"ride_created":{"id":1,"amount":1250},"charge_created":"ch_1"}`, storedResults(t, e, "k1"))
-	// The read; BEGIN with the key insert and the phase's insert (in pgx's
-	// default mode once the connection prepared that insert: see
-	// TestWorkflowFirstPhaseTakesTheKeyWithItsFirstStatement); the phase
-	// record with COMMIT; BEGIN with the final phase's insert; the response
-	// with COMMIT. Nothing between the first commit and the call: the lease
-	// was set by that commit (see TestAttemptStopsWhenAPhaseItCommittedIsLost
-	// for why no read is needed there).
-	require.Equal(t, int64(5), qc.n.Load(), "round trips")
+			resp, err := r.RunWorkflow(ctx, rideKey("k1"), f.wf)
+			require.NoError(t, err)
+			require.Equal(t, 201, resp.Status)
+			require.Equal(t, 2, writes(), "transactions that wrote the key")
+			require.Equal(t, int64(1), f.prov.calls.Load())
+			k := readKey(t, e.Pool, "user_1", "k1")
+			require.Equal(t, "finished", k.Status)
+			require.False(t, k.LeaseHeld)
+			require.Equal(t, `{"ride_created":{"id":1,"amount":1250},"charge_created":"ch_1"}`, storedResults(t, e, "k1"))
+			require.Equal(t, c.roundTrips, qc.n.Load(), "round trips")
 
-	before := qc.n.Load()
-	again, err := r.RunWorkflow(ctx, rideKey("k1"), f.wf)
-	require.NoError(t, err)
-	require.True(t, again.Replayed)
-	require.Equal(t, int64(1), qc.n.Load()-before, "a replay is one round trip")
-	require.Equal(t, 2, writes())
+			before := qc.n.Load()
+			again, err := r.RunWorkflow(ctx, rideKey("k1"), f.wf)
+			require.NoError(t, err)
+			require.True(t, again.Replayed)
+			require.Equal(t, int64(1), qc.n.Load()-before, "a replay is one round trip")
+			require.Equal(t, 2, writes())
+		})
+	}
 }
 
 // A workflow's first phase inserts its key row once, at its commit, with

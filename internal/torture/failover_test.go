@@ -150,8 +150,11 @@ func failoverOnce(t *testing.T, synchronous bool, seed uint64) {
 	js, st := newStream(t, stream)
 	reg := txn.NewRegistry()
 	f := newFlow(t, provider.Pool, reg, stream+".orders")
+	// Synchronous replication is what FailoverKeepsCommits promises: its
+	// runs call out without the read before the call; asynchronous ones
+	// keep the default.
 	runner, err := txn.New(pool, &txn.Config{Workflows: reg, Logger: quietLogger(t),
-		LeaseDuration: time.Second, ReleaseTimeout: 300 * time.Millisecond})
+		LeaseDuration: time.Second, ReleaseTimeout: 300 * time.Millisecond, FailoverKeepsCommits: synchronous})
 	require.NoError(t, err)
 
 	pub, err := natspub.New(js, &natspub.Config{Streams: []string{stream}})
