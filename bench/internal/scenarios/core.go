@@ -206,7 +206,7 @@ func (s *Suite) RunCore(ctx context.Context, s1, s2, s3 bool) error {
 			}
 			t3.add(handTwoTx.name, c, h, bt, h.Throughput())
 			var ours float64
-			for _, sub := range []subject{ourWorkflow, dbosWorkflow, riverJob} {
+			for _, sub := range []subject{ourWorkflow, ourWorkflowKeptCommits, dbosWorkflow, riverJob} {
 				r, err := s.measure(ctx, sub, c)
 				if err != nil {
 					return err
