@@ -340,8 +340,9 @@ func runForeign[T any](ctx context.Context, a *Attempt, name string, fn func(ctx
 	return v, nil
 }
 
-// leaseFresh reports that a Foreign phase may call out without checking the
-// lease first: this attempt created the key (so it is younger than the
+// leaseFresh reports that a Foreign phase may call out without extending
+// the lease first (a read still checks the key, unless
+// Config.FailoverKeepsCommits): this attempt created the key (so it is younger than the
 // attempt) and the commit that last set the lease began less than half a
 // LeaseDuration ago, both by the local monotonic clock. The database set
 // leased_until from its clock during that commit, after it began, so at

@@ -61,7 +61,9 @@ type Config struct {
 	// a commit the primary acknowledged: every server that can be promoted
 	// receives each commit before it is acknowledged (synchronous
 	// replication with synchronous_commit on or remote_apply, or storage
-	// replicated synchronously), or there is no standby at all. A
+	// replicated synchronously), or there is no standby at all. A quorum
+	// (ANY n) setup qualifies only if no standby outside the quorum that
+	// acknowledged a commit can be promoted. A
 	// workflow's first attempt then calls out right after the commit that
 	// set its lease. Left false, it first reads the key (one round trip per
 	// such Foreign phase) to make sure that commit is still there: after a
