@@ -486,6 +486,41 @@ func TestFinishRejectionBeforeAnyPhaseRollsBackAndLeavesNoKey(t *testing.T) {
 	require.Zero(t, e.Count(t, `SELECT count(*) FROM charges`))
 }
 
+// lostPhaseWorkflow is Atomic "first", whose result counts its runs; then,
+// on the first run only, lose, which stands for a failover that lost
+// "first"'s commit; a Foreign "charge" that passes its foreign key to call
+// (none when call is nil); and a Finish that writes a charge row with
+// "first"'s result and answers it.
+func lostPhaseWorkflow(name string, lose func(ctx context.Context), call func(fk string)) *txn.Workflow {
+	var runs atomic.Int64
+	var lost atomic.Bool
+	return txn.NewWorkflow(name, func(ctx context.Context, a *txn.Attempt) (txn.Response, error) {
+		id, err := txn.Atomic(ctx, a, "first", func(ctx context.Context, tx pgx.Tx) (int64, error) {
+			return runs.Add(1), nil
+		})
+		if err != nil {
+			return txn.Response{}, err
+		}
+		if !lost.Swap(true) {
+			lose(ctx)
+		}
+		if call != nil {
+			if _, err := txn.Foreign(ctx, a, "charge", func(ctx context.Context, fk string) (string, error) {
+				call(fk)
+				return "ch", nil
+			}); err != nil {
+				return txn.Response{}, err
+			}
+		}
+		return a.Finish(ctx, func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
+			if _, err := tx.Exec(ctx, `INSERT INTO charges (ref, amount) VALUES ('ride', $1)`, id); err != nil {
+				return txn.Response{}, err
+			}
+			return txn.JSON(201, map[string]int64{"first": id})
+		})
+	})
+}
+
 // A phase this attempt committed can vanish while the attempt holds the
 // lease: a failover to an asynchronous standby that had not received the
 // commit, where the key row (with the attempt's lease, committed earlier)
@@ -506,38 +541,17 @@ func TestAttemptStopsWhenAPhaseItCommittedIsLost(t *testing.T) {
 			t.Parallel()
 			e := newEnv(t, &txn.Config{FailoverKeepsCommits: keeps})
 			ctx := ctxT(t)
-			var firstRuns atomic.Int64
 			var mu sync.Mutex
 			var keys []string
-			lose := true
-			wf := txn.NewWorkflow("lossy", func(ctx context.Context, a *txn.Attempt) (txn.Response, error) {
-				id, err := txn.Atomic(ctx, a, "first", func(ctx context.Context, tx pgx.Tx) (int64, error) {
-					return firstRuns.Add(1), nil
-				})
-				if err != nil {
-					return txn.Response{}, err
-				}
-				if lose {
-					lose = false
-					// The server now holds the key as it was before "first"
-					// committed: recovery point, results and lease as inserted.
-					_, err := e.Pool.Exec(ctx, `UPDATE idempotency_keys SET recovery_point = 'started', phase_results_raw = NULL`)
-					require.NoError(t, err)
-				}
-				if _, err := txn.Foreign(ctx, a, "charge", func(ctx context.Context, fk string) (string, error) {
-					mu.Lock()
-					defer mu.Unlock()
-					keys = append(keys, fk)
-					return "ch", nil
-				}); err != nil {
-					return txn.Response{}, err
-				}
-				return a.Finish(ctx, func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
-					if _, err := tx.Exec(ctx, `INSERT INTO charges (ref, amount) VALUES ('ride', $1)`, id); err != nil {
-						return txn.Response{}, err
-					}
-					return txn.JSON(201, map[string]int64{"first": id})
-				})
+			wf := lostPhaseWorkflow("lossy", func(ctx context.Context) {
+				// The server now holds the key as it was before "first"
+				// committed: recovery point, results and lease as inserted.
+				_, err := e.Pool.Exec(ctx, `UPDATE idempotency_keys SET recovery_point = 'started', phase_results_raw = NULL`)
+				require.NoError(t, err)
+			}, func(fk string) {
+				mu.Lock()
+				defer mu.Unlock()
+				keys = append(keys, fk)
 			})
 			require.NoError(t, e.reg.Register(wf))
 			_, err := e.runner.RunWorkflow(ctx, rideKey("k1"), wf)
@@ -581,43 +595,26 @@ func TestFenceRefusesAnOlderVersionOfTheKeyInTheSameSlot(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, nil)
 	ctx := ctxT(t)
-	var firstRuns atomic.Int64
-	lose := true
-	wf := txn.NewWorkflow("same_slot", func(ctx context.Context, a *txn.Attempt) (txn.Response, error) {
-		id, err := txn.Atomic(ctx, a, "first", func(ctx context.Context, tx pgx.Tx) (int64, error) {
-			return firstRuns.Add(1), nil
-		})
-		if err != nil {
-			return txn.Response{}, err
-		}
-		if lose {
-			lose = false
-			var block, slot int
-			require.NoError(t, e.Pool.QueryRow(ctx,
-				`SELECT (ctid::text::point)[0]::int, (ctid::text::point)[1]::int FROM idempotency_keys`).Scan(&block, &slot))
-			require.Zero(t, block)
-			_, err := e.Pool.Exec(ctx, fmt.Sprintf(`
-				CREATE TABLE hole_saved AS SELECT * FROM idempotency_keys;
-				UPDATE hole_saved SET recovery_point = 'started', phase_results_raw = NULL;
-				CREATE TABLE hole_fill AS SELECT s.* FROM hole_saved AS s, generate_series(1, %d);
-				UPDATE hole_fill SET key = key || '-fill-' || (ctid::text::point)[1]::int,
-				                     id = id + 1000 + (ctid::text::point)[1]::int;
-				TRUNCATE idempotency_keys;
-				INSERT INTO idempotency_keys SELECT * FROM hole_fill;
-				INSERT INTO idempotency_keys SELECT * FROM hole_saved;`, slot-1))
-			require.NoError(t, err)
-			var now int
-			require.NoError(t, e.Pool.QueryRow(ctx,
-				`SELECT (ctid::text::point)[1]::int FROM idempotency_keys WHERE key = 'k1'`).Scan(&now))
-			require.Equal(t, slot, now, "the older version is in the lost commit's slot")
-		}
-		return a.Finish(ctx, func(ctx context.Context, tx pgx.Tx) (txn.Response, error) {
-			if _, err := tx.Exec(ctx, `INSERT INTO charges (ref, amount) VALUES ('ride', $1)`, id); err != nil {
-				return txn.Response{}, err
-			}
-			return txn.JSON(201, map[string]int64{"first": id})
-		})
-	})
+	wf := lostPhaseWorkflow("same_slot", func(ctx context.Context) {
+		var block, slot int
+		require.NoError(t, e.Pool.QueryRow(ctx,
+			`SELECT (ctid::text::point)[0]::int, (ctid::text::point)[1]::int FROM idempotency_keys`).Scan(&block, &slot))
+		require.Zero(t, block)
+		_, err := e.Pool.Exec(ctx, fmt.Sprintf(`
+			CREATE TABLE hole_saved AS SELECT * FROM idempotency_keys;
+			UPDATE hole_saved SET recovery_point = 'started', phase_results_raw = NULL;
+			CREATE TABLE hole_fill AS SELECT s.* FROM hole_saved AS s, generate_series(1, %d);
+			UPDATE hole_fill SET key = key || '-fill-' || (ctid::text::point)[1]::int,
+			                     id = id + 1000 + (ctid::text::point)[1]::int;
+			TRUNCATE idempotency_keys;
+			INSERT INTO idempotency_keys SELECT * FROM hole_fill;
+			INSERT INTO idempotency_keys SELECT * FROM hole_saved;`, slot-1))
+		require.NoError(t, err)
+		var now int
+		require.NoError(t, e.Pool.QueryRow(ctx,
+			`SELECT (ctid::text::point)[1]::int FROM idempotency_keys WHERE key = 'k1'`).Scan(&now))
+		require.Equal(t, slot, now, "the older version is in the lost commit's slot")
+	}, nil)
 	require.NoError(t, e.reg.Register(wf))
 	_, err := e.runner.RunWorkflow(ctx, rideKey("k1"), wf)
 	require.ErrorIs(t, err, txn.ErrLeaseLost)
