@@ -89,9 +89,10 @@ func (r *Runner) settleUnsure(ctx context.Context, req request, workflow string,
 		})
 	}
 	switch {
-	case err != nil && waited && pgerr.IsConnection(u.err):
-		// The run lost its connection: the server has yet to notice, and
-		// nothing of the run's asked it to commit. The retry finds out.
+	case err != nil && waited && (pgerr.IsConnection(u.err) || pgerr.IsConnection(err)):
+		// The run lost its connection (or the wait for its lock did): the
+		// server has yet to notice, and nothing of the run's asked it to
+		// commit. The retry finds out.
 		return false, false
 	case err != nil && waited:
 		// Still not ended (a prepared transaction keeps its locks): it may
